@@ -1,0 +1,46 @@
+# Builds the Python extension ddpx._C against the interpreter that has torch, and lays out an
+# importable package in ${CMAKE_BINARY_DIR}/python (PYTHONPATH=build/python works for tests).
+find_package(Python COMPONENTS Interpreter Development.Module REQUIRED)
+find_package(pybind11 CONFIG QUIET)
+if(NOT pybind11_FOUND)
+  # pip torch ships pybind11's headers in its include directory.
+  execute_process(COMMAND "${Python_EXECUTABLE}" -c "import pybind11;print(pybind11.get_cmake_dir())"
+    RESULT_VARIABLE _rc OUTPUT_VARIABLE _pyb_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(_rc EQUAL 0)
+    find_package(pybind11 CONFIG REQUIRED PATHS "${_pyb_dir}")
+  endif()
+endif()
+
+find_library(TORCH_PYTHON_LIBRARY torch_python
+  PATHS "${TORCH_INSTALL_PREFIX}/lib" "${TORCH_INSTALL_PREFIX}/lib/x86_64-linux-gnu"
+  /usr/lib/x86_64-linux-gnu NO_DEFAULT_PATH)
+if(NOT TORCH_PYTHON_LIBRARY)
+  find_library(TORCH_PYTHON_LIBRARY torch_python REQUIRED)
+endif()
+
+set(_ddpx_py_sources src/python/module.cpp)
+if(pybind11_FOUND)
+  pybind11_add_module(_C MODULE ${_ddpx_py_sources})
+else()
+  Python_add_library(_C MODULE WITH_SOABI ${_ddpx_py_sources})
+endif()
+target_link_libraries(_C PRIVATE ddpx ${TORCH_PYTHON_LIBRARY})
+target_compile_definitions(_C PRIVATE TORCH_EXTENSION_NAME=_C)
+if(DDPX_COMPAT_INCLUDE_DIR)
+  target_include_directories(_C PRIVATE ${DDPX_COMPAT_INCLUDE_DIR})
+endif()
+set(DDPX_PY_PACKAGE_DIR "${CMAKE_BINARY_DIR}/python/ddpx" CACHE INTERNAL "")
+set_target_properties(_C PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${DDPX_PY_PACKAGE_DIR}")
+
+# Mirror the pure-Python sources next to the module so the build tree is importable.
+file(GLOB _ddpx_py_files CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/python/ddpx/*.py")
+set(_ddpx_py_outputs "")
+foreach(_f IN LISTS _ddpx_py_files)
+  get_filename_component(_name "${_f}" NAME)
+  add_custom_command(OUTPUT "${DDPX_PY_PACKAGE_DIR}/${_name}"
+    COMMAND ${CMAKE_COMMAND} -E copy_if_different "${_f}" "${DDPX_PY_PACKAGE_DIR}/${_name}"
+    DEPENDS "${_f}")
+  list(APPEND _ddpx_py_outputs "${DDPX_PY_PACKAGE_DIR}/${_name}")
+endforeach()
+add_custom_target(ddpx_python_files ALL DEPENDS ${_ddpx_py_outputs})
+add_dependencies(_C ddpx_python_files)

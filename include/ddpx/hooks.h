@@ -1,0 +1,9 @@
+// Umbrella header: every ddpx communication hook.
+#pragma once
+
+#include <ddpx/hooks/allreduce_hook.h>
+#include <ddpx/hooks/comm_hook.h>
+#include <ddpx/hooks/compress_hook.h>
+#include <ddpx/hooks/compress_wrapper.h>
+#include <ddpx/hooks/exchange.h>
+#include <ddpx/hooks/noop_hook.h>

@@ -1,0 +1,33 @@
+// allreduce_hook: the mean of the bucket over the group, as torch's default_hooks.allreduce_hook.
+#pragma once
+
+#include <ddpx/hooks/comm_hook.h>
+#include <ddpx/hooks/exchange.h>
+
+namespace ddpx {
+namespace hooks {
+
+// For fp32/fp64 buckets: divides by the group size and allreduces, exactly as torch's
+// allreduce_hook (bit-identical results). For 16-bit buckets (e.g. inside fp16_compress_wrapper)
+// the exchange mode applies: on Gloo/CPU the 16-bit values are gathered and summed in fp32.
+class AllreduceHook final : public CommHook {
+ public:
+  explicit AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                         ExchangeMode exchange = ExchangeMode::kAuto);
+
+  std::string name() const override { return "allreduce_hook"; }
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  ExchangeMode exchange() const { return exchange_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  ExchangeMode exchange_;
+};
+
+// Factory mirroring torch's name.
+CommHookPtr allreduce_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+
+}  // namespace hooks
+}  // namespace ddpx

@@ -1,0 +1,44 @@
+// The reduction primitive under the default hooks: sum a tensor over the ranks of a group and
+// write the (scaled) sum into an output of any floating dtype.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace ddpx {
+namespace hooks {
+
+// How 16-bit values travel between ranks.
+enum class ExchangeMode {
+  // kAllgather for 16-bit tensors on CPU or on a Gloo group, kAllreduce otherwise.
+  kAuto = 0,
+  // The backend's allreduce in the values' own dtype. Fast on NCCL; on Gloo 16-bit sums run
+  // element by element in scalar code, and bf16 is refused by Gloo in torch 1.13.
+  kAllreduce = 1,
+  // Allgather the raw 16-bit bytes, then sum the world_size rows locally in fp32 with
+  // vectorised code. Sends (world_size - 1) * numel * 2 bytes per rank: no more than an fp32
+  // ring allreduce (2 * (world_size - 1) / world_size * numel * 4) up to 4 ranks, half of it
+  // on 2 ranks; and no 16-bit rounding of partial sums.
+  kAllgather = 2,
+};
+
+// Parses "auto" / "allreduce" / "allgather".
+ExchangeMode parse_exchange_mode(const std::string& name);
+const char* exchange_mode_name(ExchangeMode mode);
+
+// The mode kAuto resolves to for `values` on `pg`.
+ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
+                                   const at::Tensor& values);
+
+// Starts the collective and returns a future that completes, with `out`, once
+//   out = cast<out.dtype>(scale * sum over ranks of values)
+// holds. `values` (contiguous, floating) may be overwritten; `out` has values.numel() elements
+// and may be `values` itself. Both stay alive until the future completes. Collectives are
+// issued on the calling thread, so their order across ranks is the order of the calls.
+c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                 const at::Tensor& values, const at::Tensor& out,
+                                                 double scale, ExchangeMode mode);
+
+}  // namespace hooks
+}  // namespace ddpx

@@ -1,0 +1,15 @@
+"""ddpx: native C++ DDP communication hooks for torch.distributed.
+
+Two ways to use a hook, with the same hook objects:
+
+* drop-in: ``ddp_model.register_comm_hook(state, ddpx.hooks.fp16_compress_hook)``, the same
+  call, names, arguments and defaults as torch's own hooks;
+* native: ``ddpx.register_comm_hook(ddp_model, state, ddpx.hooks.fp16_compress_hook)`` puts
+  the C++ hook straight into DDP's C++ Reducer: no Python runs per bucket during backward.
+"""
+from ._loader import _C  # noqa: F401  (raises a clear ImportError on a torch mismatch)
+from . import hooks
+from .hooks import register_comm_hook
+
+__version__ = "0.1.0"
+__all__ = ["hooks", "register_comm_hook", "__version__"]

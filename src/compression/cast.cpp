@@ -1,0 +1,99 @@
+#include <ddpx/compression/cast.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#ifdef DDPX_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <ddpx/compression/kernels_cuda.h>
+#endif
+
+namespace ddpx {
+namespace {
+
+void check_pair(const at::Tensor& src, const at::Tensor& dst, const char* op) {
+  TORCH_CHECK(src.defined() && dst.defined(), op, ": tensors must be defined");
+  TORCH_CHECK(src.device() == dst.device(), op, ": src and dst must be on the same device, got ",
+              src.device(), " and ", dst.device());
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), op, ": tensors must be contiguous");
+  TORCH_CHECK(src.layout() == at::kStrided && dst.layout() == at::kStrided, op,
+              ": sparse tensors are not supported");
+  TORCH_CHECK(src.device().is_cpu() || src.device().is_cuda(), op,
+              ": only CPU and CUDA tensors are supported, got ", src.device());
+#ifndef DDPX_WITH_CUDA
+  TORCH_CHECK(src.device().is_cpu(), op,
+              ": ddpx was built without CUDA support; rebuild with a CUDA-enabled torch to use ",
+              src.device(), " tensors");
+#endif
+}
+
+}  // namespace
+
+kernels::DType to_kernel_dtype(at::ScalarType t, const char* what) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::DType::kFloat32;
+    case at::kDouble:
+      return kernels::DType::kFloat64;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, what,
+                  " must have a floating-point dtype (float32, float64, float16 or bfloat16), got ",
+                  t);
+  }
+}
+
+at::Tensor scaled_cast(const at::Tensor& src, at::ScalarType dtype, double scale) {
+  at::Tensor dst = at::empty({src.numel()}, src.options().dtype(dtype));
+  scaled_cast_into(src, dst, scale);
+  return dst;
+}
+
+void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
+  check_pair(src, dst, "ddpx::scaled_cast_into");
+  TORCH_CHECK(src.numel() == dst.numel(), "ddpx::scaled_cast_into: src has ", src.numel(),
+              " elements but dst has ", dst.numel());
+  const auto st = to_kernel_dtype(src.scalar_type(), "source tensor");
+  const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
+  if (src.numel() == 0) return;
+  if (src.is_cuda()) {
+#ifdef DDPX_WITH_CUDA
+    c10::cuda::CUDAGuard guard(src.device());
+    kernels::scaled_cast_cuda(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(),
+                              static_cast<float>(scale),
+                              at::cuda::getCurrentCUDAStream(src.device().index()).stream());
+#endif
+    return;
+  }
+  kernels::scaled_cast_cpu(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(),
+                           static_cast<float>(scale));
+}
+
+void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
+  check_pair(src, dst, "ddpx::sum_rows_into");
+  TORCH_CHECK(src.dim() == 2, "ddpx::sum_rows_into: src must be 2-D [rows, n], got ", src.sizes());
+  TORCH_CHECK(src.size(0) >= 1, "ddpx::sum_rows_into: src must have at least one row");
+  TORCH_CHECK(src.size(1) == dst.numel(), "ddpx::sum_rows_into: src rows have ", src.size(1),
+              " elements but dst has ", dst.numel());
+  const auto st = to_kernel_dtype(src.scalar_type(), "source tensor");
+  const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
+  if (dst.numel() == 0) return;
+  if (src.is_cuda()) {
+#ifdef DDPX_WITH_CUDA
+    c10::cuda::CUDAGuard guard(src.device());
+    kernels::sum_rows_cuda(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt,
+                           static_cast<float>(scale),
+                           at::cuda::getCurrentCUDAStream(src.device().index()).stream());
+#endif
+    return;
+  }
+  kernels::sum_rows_cpu(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt,
+                        static_cast<float>(scale));
+}
+
+}  // namespace ddpx

@@ -1,0 +1,304 @@
+// CPU implementation of the compression kernels.
+//
+// Everything funnels through two block primitives: load a block of any dtype into fp32, and
+// store an fp32 block into any dtype. The fp16 primitives use F16C (8 lanes per instruction)
+// when the CPU has it, chosen once at run time; the portable fallbacks are branch-free bit
+// manipulations that GCC auto-vectorises. bf16 is a 16-bit shift either way.
+#include <ddpx/compression/kernels.h>
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DDPX_X86 1
+#endif
+
+namespace ddpx {
+namespace kernels {
+namespace {
+
+inline uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+[[noreturn]] void bad_dtype(DType t) {
+  throw std::invalid_argument("ddpx kernels: unsupported dtype tag " +
+                              std::to_string(static_cast<int>(t)));
+}
+
+// Elements per block: 8 KiB of fp32 scratch on the stack, small enough to stay in L1.
+constexpr int64_t kBlock = 2048;
+
+// ---- portable conversions ------------------------------------------------------------------
+
+void load_half_portable(const uint16_t* src, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = half_bits_to_float(src[i]);
+}
+void store_half_portable(const float* in, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half_bits(in[i]);
+}
+
+#ifdef DDPX_X86
+__attribute__((target("avx,f16c"))) void load_half_f16c(const uint16_t* src, float* out,
+                                                          int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) out[i] = half_bits_to_float(src[i]);
+}
+__attribute__((target("avx,f16c"))) void store_half_f16c(const float* in, uint16_t* dst,
+                                                           int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = float_to_half_bits(in[i]);
+}
+bool detect_f16c() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}
+#else
+bool detect_f16c() { return false; }
+#endif
+
+using LoadHalfFn = void (*)(const uint16_t*, float*, int64_t);
+using StoreHalfFn = void (*)(const float*, uint16_t*, int64_t);
+
+struct HalfOps {
+  LoadHalfFn load = load_half_portable;
+  StoreHalfFn store = store_half_portable;
+  bool fast = false;
+  HalfOps() {
+#ifdef DDPX_X86
+    if (detect_f16c()) {
+      load = load_half_f16c;
+      store = store_half_f16c;
+      fast = true;
+    }
+#endif
+  }
+};
+const HalfOps& half_ops() {
+  static const HalfOps ops;
+  return ops;
+}
+
+// ---- block primitives ---------------------------------------------------------------------
+
+// out[0:n] = float(src[off : off+n]); src_t must not be fp64.
+void load_f32(const void* src, DType t, int64_t off, int64_t n, float* out) {
+  switch (t) {
+    case DType::kFloat32:
+      std::memcpy(out, static_cast<const float*>(src) + off, n * sizeof(float));
+      return;
+    case DType::kFloat16:
+      half_ops().load(static_cast<const uint16_t*>(src) + off, out, n);
+      return;
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + off;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(s[i]);
+      return;
+    }
+    default:
+      bad_dtype(t);
+  }
+}
+
+// dst[off : off+n] = cast(in[0:n]); dst_t must not be fp64.
+void store_f32(const float* in, void* dst, DType t, int64_t off, int64_t n) {
+  switch (t) {
+    case DType::kFloat32:
+      std::memcpy(static_cast<float*>(dst) + off, in, n * sizeof(float));
+      return;
+    case DType::kFloat16:
+      half_ops().store(in, static_cast<uint16_t*>(dst) + off, n);
+      return;
+    case DType::kBFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + off;
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(in[i]);
+      return;
+    }
+    default:
+      bad_dtype(t);
+  }
+}
+
+// fp64 paths: element-wise through double; rare (fp64 buckets), kept simple.
+double load_one_f64(const void* src, DType t, int64_t i) {
+  switch (t) {
+    case DType::kFloat64:
+      return static_cast<const double*>(src)[i];
+    case DType::kFloat32:
+      return static_cast<const float*>(src)[i];
+    case DType::kFloat16:
+      return half_bits_to_float(static_cast<const uint16_t*>(src)[i]);
+    case DType::kBFloat16:
+      return bf16_bits_to_float(static_cast<const uint16_t*>(src)[i]);
+  }
+  bad_dtype(t);
+}
+void store_one_f64(double v, void* dst, DType t, int64_t i) {
+  switch (t) {
+    case DType::kFloat64:
+      static_cast<double*>(dst)[i] = v;
+      return;
+    case DType::kFloat32:
+      static_cast<float*>(dst)[i] = static_cast<float>(v);
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(dst)[i] = float_to_half_bits(static_cast<float>(v));
+      return;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(dst)[i] = float_to_bf16_bits(static_cast<float>(v));
+      return;
+  }
+  bad_dtype(t);
+}
+
+void check_dtype(DType t) {
+  if (static_cast<int>(t) < 0 || static_cast<int>(t) > 3) bad_dtype(t);
+}
+
+}  // namespace
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat64:
+      return 8;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+  }
+  bad_dtype(t);
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  bad_dtype(t);
+}
+
+// The classic branch-free binary16 decoder: normals by exponent rebias and a multiply,
+// subnormals via a magic-number subtraction.
+float half_bits_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t mag = two_w < (1u << 27) ? to_bits(denormalized) : to_bits(normalized);
+  return from_bits(sign | mag);
+}
+
+// Branch-free binary16 encoder with round to nearest even: scaling by 2^112 then 2^-110 lets
+// the fp32 adder do the rounding; inputs beyond the range become inf, NaN becomes 0x7E00.
+uint16_t float_to_half_bits(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = to_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+float bf16_bits_to_float(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even by adding 0x7FFF plus the lowest kept bit; NaN maps to the canonical
+// quiet NaN 0x7FC0, as c10::BFloat16 does, so results match torch bit for bit.
+uint16_t float_to_bf16_bits(float f) {
+  const uint32_t u = to_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(std::isnan(f) ? 0x7FC0u : rounded);
+}
+
+bool cpu_has_fast_half() { return half_ops().fast; }
+
+void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64_t n,
+                     float scale) {
+  check_dtype(src_t);
+  check_dtype(dst_t);
+  if (n <= 0) return;
+  if (src_t == DType::kFloat64 || dst_t == DType::kFloat64) {
+    const double s = scale;
+    for (int64_t i = 0; i < n; ++i) store_one_f64(s * load_one_f64(src, src_t, i), dst, dst_t, i);
+    return;
+  }
+  if (src_t == DType::kFloat32 && dst_t == DType::kFloat32) {
+    const float* s = static_cast<const float*>(src);
+    float* d = static_cast<float*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = s[i] * scale;
+    return;
+  }
+  alignas(64) float buf[kBlock];
+  for (int64_t off = 0; off < n; off += kBlock) {
+    const int64_t m = n - off < kBlock ? n - off : kBlock;
+    load_f32(src, src_t, off, m, buf);
+    if (scale != 1.0f) {
+      for (int64_t i = 0; i < m; ++i) buf[i] *= scale;
+    }
+    store_f32(buf, dst, dst_t, off, m);
+  }
+}
+
+void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
+                  float scale) {
+  check_dtype(src_t);
+  check_dtype(dst_t);
+  if (rows < 1) throw std::invalid_argument("ddpx sum_rows_cpu: rows must be >= 1");
+  if (n <= 0) return;
+  if (src_t == DType::kFloat64 || dst_t == DType::kFloat64) {
+    for (int64_t i = 0; i < n; ++i) {
+      double acc = 0;
+      for (int64_t r = 0; r < rows; ++r) acc += load_one_f64(src, src_t, r * n + i);
+      store_one_f64(acc * scale, dst, dst_t, i);
+    }
+    return;
+  }
+  alignas(64) float acc[kBlock];
+  alignas(64) float tmp[kBlock];
+  for (int64_t off = 0; off < n; off += kBlock) {
+    const int64_t m = n - off < kBlock ? n - off : kBlock;
+    load_f32(src, src_t, off, m, acc);
+    for (int64_t r = 1; r < rows; ++r) {
+      load_f32(src, src_t, r * n + off, m, tmp);
+      for (int64_t i = 0; i < m; ++i) acc[i] += tmp[i];
+    }
+    if (scale != 1.0f) {
+      for (int64_t i = 0; i < m; ++i) acc[i] *= scale;
+    }
+    store_f32(acc, dst, dst_t, off, m);
+  }
+}
+
+}  // namespace kernels
+}  // namespace ddpx
