@@ -1,0 +1,61 @@
+"""Builds the ddpx Python package: the pure-Python package in python/ddpx plus the native module
+ddpx._C, compiled by CMake against the torch of the interpreter running this script.
+
+    python -m venv --system-site-packages .venv && .venv/bin/pip install --no-build-isolation .
+
+Environment: DDPX_CUDA=AUTO|ON|OFF (default AUTO), DDPX_BUILD_DIR (default build-pip),
+CMAKE_BUILD_PARALLEL_LEVEL (default: number of CPUs).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        build_dir = os.environ.get("DDPX_BUILD_DIR", os.path.join(ROOT, "build-pip"))
+        cfg = [
+            "cmake", "-S", ROOT, "-B", build_dir,
+            f"-DPython_EXECUTABLE={sys.executable}",
+            "-DDDPX_BUILD_TESTS=OFF", "-DDDPX_BUILD_BENCHMARKS=OFF", "-DDDPX_BUILD_PYTHON=ON",
+            f"-DDDPX_CUDA={os.environ.get('DDPX_CUDA', 'AUTO')}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        if shutil.which("ninja"):
+            cfg += ["-G", "Ninja"]
+        env = dict(os.environ, DDPX_PYTHON=sys.executable)
+        subprocess.check_call(cfg, env=env)
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        subprocess.check_call(["cmake", "--build", build_dir, "--target", "_C", "-j", jobs], env=env)
+        pkg_dir = os.path.join(build_dir, "python", "ddpx")
+        built = [f for f in os.listdir(pkg_dir) if f.startswith("_C") and f.endswith(".so")]
+        if len(built) != 1:
+            raise RuntimeError(f"ddpx: expected one _C*.so in {pkg_dir}, found {built}")
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(os.path.join(pkg_dir, built[0]), target)
+
+
+setup(
+    name="ddpx",
+    version="0.1.0",
+    description="Native C++/CUDA DDP communication hooks for torch.distributed",
+    license="BSD-3-Clause",
+    packages=["ddpx"],
+    package_dir={"": "python"},
+    ext_modules=[CMakeExtension("ddpx._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.8",
+    zip_safe=False,
+)
