@@ -192,3 +192,6 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
     if hasattr(ddp_model, "logger") and ddp_model.logger is not None:
         ddp_model.logger._set_comm_hook_name("ddpx." + hook._ddpx_name)
     _C.register_comm_hook(ddp_model.reducer, native)
+    # torch 2.x's DDP keeps (hook, state) pairs for its own bookkeeping; keep it truthful.
+    if isinstance(getattr(ddp_model, "_comm_hooks", None), list):
+        ddp_model._comm_hooks.append((hook, state))
