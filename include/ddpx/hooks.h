@@ -7,3 +7,5 @@
 #include <ddpx/hooks/compress_wrapper.h>
 #include <ddpx/hooks/exchange.h>
 #include <ddpx/hooks/noop_hook.h>
+#include <ddpx/hooks/powersgd_hook.h>
+#include <ddpx/hooks/powersgd_state.h>

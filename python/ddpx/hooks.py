@@ -18,6 +18,9 @@ __all__ = [
     "fp16_compress_wrapper",
     "bf16_compress_wrapper",
     "noop_hook",
+    "PowerSGDState",
+    "powerSGD_hook",
+    "batched_powerSGD_hook",
     "register_comm_hook",
     "native_hook",
 ]
@@ -164,6 +167,36 @@ def _make_wrapper(dtype: torch.dtype, name: str):
     """
     return wrapper
 
+
+from .powersgd import PowerSGDState, _native_state  # noqa: E402
+
+powerSGD_hook = _make_hook(
+    "powerSGD_hook",
+    lambda state: _C.powersgd_hook(_native_state(state, "powerSGD_hook"), batched=False),
+    """PowerSGD gradient compression (Vogels et al., NeurIPS 2019), torch's ``powerSGD_hook``:
+    matrices worth compressing travel as rank-r factors P and Q, the rest is allreduced, with
+    error feedback and warm start as configured in ``state`` (a :class:`PowerSGDState`). Plain
+    allreduce before ``state.start_powerSGD_iter``.
+
+    Example::
+        >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+        ...                                  start_powerSGD_iter=10, min_compression_rate=0.5)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.powerSGD_hook)
+    """,
+)
+
+batched_powerSGD_hook = _make_hook(
+    "batched_powerSGD_hook",
+    lambda state: _C.powersgd_hook(_native_state(state, "batched_powerSGD_hook"), batched=True),
+    """Torch's ``batched_powerSGD_hook``: the whole bucket compressed as one zero-padded square
+    matrix. Faster than :func:`powerSGD_hook` but usually less accurate unless the rank is 1.
+    (torch's own crashes with an AssertionError; this one works.)
+
+    Example::
+        >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.batched_powerSGD_hook)
+    """,
+)
 
 fp16_compress_wrapper = _make_wrapper(torch.float16, "fp16_compress_wrapper")
 bf16_compress_wrapper = _make_wrapper(torch.bfloat16, "bf16_compress_wrapper")

@@ -74,5 +74,15 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::
       c10::TensorType::get());
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& tensor, ExchangeMode mode) {
+  const double inv_world = 1.0 / pg->getSize();
+  if (resolve_exchange_mode(mode, *pg, tensor) == ExchangeMode::kAllgather) {
+    return sum_into(pg, tensor, tensor, inv_world, ExchangeMode::kAllgather);
+  }
+  tensor.div_(pg->getSize());
+  return sum_into(pg, tensor, tensor, 1.0, ExchangeMode::kAllreduce);
+}
+
 }  // namespace hooks
 }  // namespace ddpx

@@ -1,9 +1,11 @@
 // pybind11 bindings: the module ddpx._C. Thin by design: argument names, docstrings, GIL
 // handling and type conversion only; every behaviour lives in the C++ library.
 #include <pybind11/pybind11.h>
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
@@ -37,6 +39,24 @@ std::shared_ptr<torch::jit::PythonFutureWrapper> run_hook(const CommHookPtr& hoo
     fut = hook->runHook(bucket);
   }
   return std::make_shared<torch::jit::PythonFutureWrapper>(std::move(fut));
+}
+
+// A checkpoint dict (str keys; int, float, bool, str, Tensor or nested dict values) as an IValue.
+c10::IValue state_to_ivalue(const py::handle& obj) {
+  if (py::isinstance<py::bool_>(obj)) return c10::IValue(obj.cast<bool>());
+  if (py::isinstance<py::int_>(obj)) return c10::IValue(obj.cast<int64_t>());
+  if (py::isinstance<py::float_>(obj)) return c10::IValue(obj.cast<double>());
+  if (py::isinstance<py::str>(obj)) return c10::IValue(obj.cast<std::string>());
+  if (THPVariable_Check(obj.ptr())) return c10::IValue(THPVariable_Unpack(obj.ptr()));
+  if (py::isinstance<py::dict>(obj)) {
+    c10::impl::GenericDict d(c10::AnyType::get(), c10::AnyType::get());
+    for (const auto& kv : obj.cast<py::dict>()) {
+      d.insert(state_to_ivalue(kv.first), state_to_ivalue(kv.second));
+    }
+    return c10::IValue(d);
+  }
+  TORCH_CHECK_TYPE(false, "load_state_dict: unsupported value of type ",
+                   py::str(py::type::of(obj)).cast<std::string>());
 }
 
 }  // namespace
@@ -85,6 +105,75 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("hook"), py::arg("dtype"), "Native fp16/bf16_compress_wrapper around `hook`.");
   m.def("noop_hook", &ddpx::hooks::noop_hook, "Native noop_hook.");
+
+  using ddpx::hooks::PowerSGDOptions;
+  using ddpx::hooks::PowerSGDState;
+  py::class_<PowerSGDOptions>(m, "PowerSGDOptions", "The hyperparameters of PowerSGDState.")
+      .def(py::init<>())
+      .def_readwrite("matrix_approximation_rank", &PowerSGDOptions::matrix_approximation_rank)
+      .def_readwrite("start_powerSGD_iter", &PowerSGDOptions::start_powerSGD_iter)
+      .def_readwrite("min_compression_rate", &PowerSGDOptions::min_compression_rate)
+      .def_readwrite("use_error_feedback", &PowerSGDOptions::use_error_feedback)
+      .def_readwrite("warm_start", &PowerSGDOptions::warm_start)
+      .def_readwrite("orthogonalization_epsilon", &PowerSGDOptions::orthogonalization_epsilon)
+      .def_readwrite("random_seed", &PowerSGDOptions::random_seed)
+      .def_readwrite("compression_stats_logging_frequency",
+                     &PowerSGDOptions::compression_stats_logging_frequency)
+      .def_readwrite("batch_tensors_with_same_shape",
+                     &PowerSGDOptions::batch_tensors_with_same_shape)
+      .def("validate", &PowerSGDOptions::validate, "Raises ValueError naming a bad argument.");
+
+  py::class_<PowerSGDState, std::shared_ptr<PowerSGDState>>(
+      m, "PowerSGDState", "Native PowerSGD state (see ddpx.hooks.PowerSGDState).")
+      .def(py::init<PG, PowerSGDOptions, std::function<void(const std::string&)>>(),
+           py::arg("process_group"), py::arg("options"), py::arg("logger") = nullptr)
+      .def_property_readonly("options", &PowerSGDState::options)
+      .def("set_options", &PowerSGDState::set_options, py::arg("options"))
+      .def_property("process_group", &PowerSGDState::process_group,
+                    &PowerSGDState::set_process_group)
+      .def_property("iter", &PowerSGDState::iter, &PowerSGDState::set_iter)
+      .def_property_readonly("total_numel_before_compression",
+                             &PowerSGDState::total_numel_before_compression)
+      .def_property_readonly("total_numel_after_compression",
+                             &PowerSGDState::total_numel_after_compression)
+      .def_property_readonly("next_stats_report", &PowerSGDState::next_stats_report)
+      .def("compression_stats", &PowerSGDState::compression_stats)
+      .def("maybe_increase_iter", &PowerSGDState::maybe_increase_iter, py::arg("bucket_is_last"))
+      .def("set_logger", &PowerSGDState::set_logger, py::arg("logger"))
+      .def("state_dict",
+           [](const PowerSGDState& st) { return torch::jit::toPyObject(c10::IValue(st.state_dict())); })
+      .def(
+          "load_state_dict",
+          [](PowerSGDState& st, const py::object& d) {
+            TORCH_CHECK_TYPE(py::isinstance<py::dict>(d),
+                             "load_state_dict: state_dict must be a dict, got ",
+                             py::str(py::type::of(d)).cast<std::string>());
+            c10::IValue v = state_to_ivalue(d);
+            st.load_state_dict(v.toGenericDict());
+          },
+          py::arg("state_dict"))
+      .def("error_dict",
+           [](const PowerSGDState& st) {
+             std::map<int64_t, at::Tensor> out(st.error_memory.begin(), st.error_memory.end());
+             for (const auto& kv : st.restored_error) out.emplace(kv.first, kv.second);
+             return out;
+           },
+           "Per-parameter error-feedback residuals, keyed by parameter order of first appearance.")
+      .def("q_memory_dict",
+           [](const PowerSGDState& st) {
+             std::map<int64_t, at::Tensor> out(st.q_memory.begin(), st.q_memory.end());
+             for (const auto& kv : st.restored_q) out.emplace(kv.first, kv.second);
+             return out;
+           },
+           "Per-parameter warm-start Q factors, keyed like error_dict().");
+
+  m.def(
+      "powersgd_hook",
+      [](const std::shared_ptr<PowerSGDState>& state, bool batched) -> CommHookPtr {
+        return std::make_shared<ddpx::hooks::PowerSGDHook>(state, batched);
+      },
+      py::arg("state"), py::arg("batched") = false,
+      "Native powerSGD_hook (batched=False) or batched_powerSGD_hook (batched=True).");
 
   m.def(
       "register_comm_hook",

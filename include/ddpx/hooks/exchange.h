@@ -40,5 +40,11 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::
                                                  const at::Tensor& values, const at::Tensor& out,
                                                  double scale, ExchangeMode mode);
 
+// The mean of `tensor` over the group, written back into `tensor`: torch's allreduce_hook (divide,
+// then allreduce; bit-identical for fp32/fp64), or for 16-bit values where the mode resolves to
+// kAllgather, a gather with the division applied once to the fp32 sum.
+c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& tensor, ExchangeMode mode);
+
 }  // namespace hooks
 }  // namespace ddpx

@@ -1,0 +1,40 @@
+// ATen layer for PowerSGD's compute: batched Gram-Schmidt over matrices packed in one buffer, and
+// the fused error-feedback update. CPU or CUDA by the tensors' device (CUDA on the current stream).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace ddpx {
+
+// Where matrices live in a flat buffer: matrix k is rows[k] x cols[k], row-major, at offsets[k].
+// Build once per bucket layout: on CUDA the descriptors are uploaded once and reused.
+class MatrixPack {
+ public:
+  MatrixPack() = default;
+  MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows, std::vector<int64_t> cols,
+             const at::Device& device);
+
+  int64_t count() const { return static_cast<int64_t>(offsets_.size()); }
+  const std::vector<int64_t>& offsets() const { return offsets_; }
+  const std::vector<int64_t>& rows() const { return rows_; }
+  const std::vector<int64_t>& cols() const { return cols_; }
+  // [3, count] int64 on the device: offsets, rows, cols (CUDA only; undefined on CPU).
+  const at::Tensor& device_descriptors() const { return device_desc_; }
+
+ private:
+  std::vector<int64_t> offsets_, rows_, cols_;
+  at::Tensor device_desc_;
+};
+
+// Orthonormalises the columns of every matrix of `pack` inside `flat` (1-D, contiguous), in one
+// pass (one CUDA launch). 16-bit buffers are processed in fp32 and rounded back.
+void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon);
+
+// err += input; input = err (the compensated gradient, which err keeps as the copy that the
+// final `err -= output` turns into the new residual). One fused pass on CUDA.
+void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err);
+
+}  // namespace ddpx

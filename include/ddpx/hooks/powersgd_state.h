@@ -1,0 +1,152 @@
+// PowerSGDState: hyperparameters and memories of the PowerSGD hooks (torch's PowerSGDState).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+namespace ddpx {
+namespace hooks {
+
+// The arguments of torch's PowerSGDState, with the same defaults.
+struct PowerSGDOptions {
+  // Rank r of the P (n x r) and Q (m x r) factors; the lower, the stronger the compression.
+  int64_t matrix_approximation_rank = 1;
+  // Plain allreduce (no compression) until this iteration.
+  int64_t start_powerSGD_iter = 1000;
+  // A matrix is compressed only if (rows + cols) * rank * min_compression_rate < rows * cols.
+  double min_compression_rate = 2;
+  // Add the previous step's compression residual to the gradient before compressing.
+  bool use_error_feedback = true;
+  // Reuse Q from the previous step instead of drawing it afresh.
+  bool warm_start = true;
+  // Added to column norms during orthogonalisation (avoids division by zero).
+  double orthogonalization_epsilon = 0;
+  // Seed of the generator that seeds the random Q initialisation (numpy RandomState semantics).
+  int64_t random_seed = 0;
+  // Log compression statistics every this many iterations once compression runs (min 1).
+  int64_t compression_stats_logging_frequency = 10000;
+  // Compress same-shaped matrices of a bucket with one batched product.
+  bool batch_tensors_with_same_shape = false;
+
+  // Throws c10::Error (ValueError in Python) naming the bad argument.
+  void validate() const;
+};
+
+// numpy.random.RandomState(seed).randint(1_000_000_000), reproduced exactly (MT19937 with
+// init_genrand seeding and masked rejection), so ddpx draws the same Q seeds as torch's hook.
+class NumpyRandint {
+ public:
+  explicit NumpyRandint(uint32_t seed = 0) : engine_(seed) {}
+  int64_t randint_1e9();
+  std::string serialize() const;
+  void deserialize(const std::string& text);
+
+ private:
+  std::mt19937 engine_;
+};
+
+namespace detail {
+struct BucketLayout;
+struct PendingJob;
+}  // namespace detail
+
+// State shared by powerSGD_hook / batched_powerSGD_hook and their runs. One state serves one DDP
+// model: using it with the parameters of a second model is an error.
+//
+// Memories (error feedback residuals and warm-start Q factors) are keyed per *parameter*, by the
+// order in which parameters first reach the hook (DDP's initial bucket order, the same in every
+// process that builds the same model), not by bucket index. A state restored from a checkpoint
+// into a new process and a new DDP model therefore finds each parameter's memory although DDP's
+// first buckets after a restart differ from the rebuilt buckets the checkpoint was taken with.
+// The batched hook's Q factor spans a whole bucket and is keyed by the bucket's parameter set.
+//
+// Thread-safety: runs on DDP's autograd thread and on communication callbacks that touch only
+// the bucket in flight; do not call state_dict()/load_state_dict() during backward.
+class PowerSGDState {
+ public:
+  // `logger` receives the info lines (see set_logger); null means c10's LOG(INFO).
+  PowerSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group, PowerSGDOptions options = {},
+                std::function<void(const std::string&)> logger = nullptr);
+  ~PowerSGDState();
+
+  const PowerSGDOptions& options() const { return options_; }
+  // Replaces the options (validated); the memories are kept.
+  void set_options(const PowerSGDOptions& options);
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+
+  int64_t iter() const { return iter_; }
+  void set_iter(int64_t iter) { iter_ = iter; }
+  int64_t total_numel_before_compression() const { return total_before_; }
+  int64_t total_numel_after_compression() const { return total_after_; }
+  int64_t next_stats_report() const { return next_stats_report_; }
+
+  // (compress_rate, numel_before_compression, numel_after_compression), as torch.
+  std::tuple<double, int64_t, int64_t> compression_stats() const;
+
+  // Counts one iteration on the last bucket of a step (torch's maybe_increase_iter).
+  void maybe_increase_iter(bool bucket_is_last);
+
+  // Where the info lines go ("PowerSGD config", "Start to apply PowerSGD", compression stats).
+  // Default: c10's LOG(INFO). Python routes them to the logging module.
+  void set_logger(std::function<void(const std::string&)> logger);
+  void log(const std::string& line) const;
+
+  // Checkpoint: iteration, statistics, generator and per-parameter memories (no process group).
+  c10::impl::GenericDict state_dict() const;
+  void load_state_dict(const c10::impl::GenericDict& state);
+  // Same content through torch's pickler, for C++ programs (torch::pickle_save format).
+  std::vector<char> save() const;
+  void load(const std::vector<char>& bytes);
+
+  // --- used by the hooks ---
+  NumpyRandint& rng() { return rng_; }
+  void add_compression_stats(int64_t before, int64_t after);
+  void maybe_report_stats(bool bucket_is_last);
+  // Parameter keys of a bucket, assigning new keys in first-appearance order; errors if the
+  // state already saw a whole iteration of another model.
+  std::vector<int64_t> keys_for(const c10d::GradBucket& bucket, const std::string& hook_name);
+
+  // Per-parameter memories: views into the current bucket layouts.
+  std::unordered_map<int64_t, at::Tensor> error_memory;
+  std::unordered_map<int64_t, at::Tensor> q_memory;
+  // Memories loaded from a checkpoint and not yet claimed by a bucket layout.
+  std::unordered_map<int64_t, at::Tensor> restored_error;
+  std::unordered_map<int64_t, at::Tensor> restored_q;
+  // Batched hook: Q factor per bucket, keyed by the bucket's parameter keys joined with ','.
+  std::unordered_map<std::string, at::Tensor> batched_q_memory;
+  std::unordered_map<std::string, at::Tensor> restored_batched_q;
+  // Current layout per bucket index, and the bucket whose second round is still to be issued.
+  std::unordered_map<size_t, std::shared_ptr<detail::BucketLayout>> layouts;
+  std::shared_ptr<detail::PendingJob> pending;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  PowerSGDOptions options_;
+  NumpyRandint rng_;
+  int64_t iter_ = 0;
+  int64_t total_before_ = 0;
+  int64_t total_after_ = 0;
+  int64_t next_stats_report_ = 0;
+  std::unordered_map<const void*, int64_t> key_of_;
+  bool saw_full_iteration_ = false;
+  std::function<void(const std::string&)> logger_;
+};
+
+using PowerSGDStatePtr = std::shared_ptr<PowerSGDState>;
+
+}  // namespace hooks
+}  // namespace ddpx

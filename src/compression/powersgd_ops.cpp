@@ -1,0 +1,97 @@
+#include <ddpx/compression/powersgd_ops.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <ddpx/compression/orthogonalize.h>
+
+#ifdef DDPX_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <ddpx/compression/orthogonalize_cuda.h>
+#endif
+
+namespace ddpx {
+
+MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
+                       std::vector<int64_t> cols, const at::Device& device)
+    : offsets_(std::move(offsets)), rows_(std::move(rows)), cols_(std::move(cols)) {
+  TORCH_INTERNAL_ASSERT(offsets_.size() == rows_.size() && rows_.size() == cols_.size());
+  for (size_t k = 0; k < rows_.size(); ++k) {
+    TORCH_CHECK(cols_[k] <= rows_[k], "MatrixPack: matrix ", k, " has more columns (", cols_[k],
+                ") than rows (", rows_[k], ")");
+  }
+  if (device.is_cuda() && !offsets_.empty()) {
+    std::vector<int64_t> all(offsets_);
+    all.insert(all.end(), rows_.begin(), rows_.end());
+    all.insert(all.end(), cols_.begin(), cols_.end());
+    device_desc_ = at::tensor(all, at::kLong).view({3, count()}).to(device);
+  }
+}
+
+void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "orthogonalize_: expected a contiguous 1-D buffer");
+  if (pack.count() == 0) return;
+  if (flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16) {
+    at::Tensor wide = flat.to(at::kFloat);
+    orthogonalize_(wide, pack, epsilon);
+    flat.copy_(wide);
+    return;
+  }
+  TORCH_CHECK(flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble,
+              "orthogonalize_: unsupported dtype ", flat.scalar_type());
+  if (flat.is_cuda()) {
+#ifdef DDPX_WITH_CUDA
+    c10::cuda::CUDAGuard guard(flat.device());
+    const at::Tensor& d = pack.device_descriptors();
+    TORCH_CHECK(d.defined() && d.device() == flat.device(),
+                "orthogonalize_: the MatrixPack was built for another device");
+    auto stream = at::cuda::getCurrentCUDAStream(flat.device().index()).stream();
+    const int64_t* base = d.data_ptr<int64_t>();
+    const int64_t n = pack.count();
+    if (flat.scalar_type() == at::kFloat) {
+      kernels::orthogonalize_cuda(flat.data_ptr<float>(), base, base + n, base + 2 * n, n,
+                                  static_cast<float>(epsilon), stream);
+    } else {
+      kernels::orthogonalize_cuda(flat.data_ptr<double>(), base, base + n, base + 2 * n, n,
+                                  epsilon, stream);
+    }
+    return;
+#else
+    TORCH_CHECK(false, "orthogonalize_: ddpx was built without CUDA support");
+#endif
+  }
+  if (flat.scalar_type() == at::kFloat) {
+    kernels::orthogonalize_cpu(flat.data_ptr<float>(), pack.offsets().data(), pack.rows().data(),
+                               pack.cols().data(), pack.count(), static_cast<float>(epsilon));
+  } else {
+    kernels::orthogonalize_cpu(flat.data_ptr<double>(), pack.offsets().data(), pack.rows().data(),
+                               pack.cols().data(), pack.count(), epsilon);
+  }
+}
+
+void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err) {
+  TORCH_CHECK(input.numel() == err.numel() && input.scalar_type() == err.scalar_type() &&
+                  input.device() == err.device(),
+              "error_feedback_apply_: input and error buffers must match");
+#ifdef DDPX_WITH_CUDA
+  if (input.is_cuda() && input.is_contiguous() && err.is_contiguous() &&
+      (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble)) {
+    c10::cuda::CUDAGuard guard(input.device());
+    auto stream = at::cuda::getCurrentCUDAStream(input.device().index()).stream();
+    if (input.scalar_type() == at::kFloat) {
+      kernels::error_feedback_apply_cuda(input.data_ptr<float>(), err.data_ptr<float>(),
+                                         input.numel(), stream);
+    } else {
+      kernels::error_feedback_apply_cuda(input.data_ptr<double>(), err.data_ptr<double>(),
+                                         input.numel(), stream);
+    }
+    return;
+  }
+#endif
+  err.add_(input.view(err.sizes()));
+  input.copy_(err.view(input.sizes()));
+}
+
+}  // namespace ddpx

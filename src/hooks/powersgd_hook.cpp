@@ -1,0 +1,487 @@
+#include <ddpx/hooks/powersgd_hook.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <ddpx/compression/cast.h>
+#include <ddpx/compression/powersgd_ops.h>
+#include <ddpx/hooks/exchange.h>
+
+#include "powersgd_internal.h"
+
+namespace ddpx {
+namespace hooks {
+
+using detail::BucketLayout;
+using detail::CompMatrix;
+using detail::PendingJob;
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+namespace {
+
+// Arithmetic dtype for a bucket: its own, except 16-bit on CPU (no half GEMM there), which
+// computes in fp32 while P and Q still travel in the bucket's dtype.
+at::ScalarType compute_dtype_for(const at::Tensor& input) {
+  if (input.is_cuda()) return input.scalar_type();
+  return input.element_size() == 2 ? at::kFloat : input.scalar_type();
+}
+
+// out = a @ b (batched for 3-D), into existing storage; out is taken by value so that views work.
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
+void bmm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::bmm_out(out, a, b); }
+
+FuturePtr make_result_future(const at::Tensor& t) {
+  std::vector<c10::Device> devices;
+  if (t.is_cuda()) devices.push_back(t.device());
+  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
+}
+
+std::string join_keys(const std::vector<int64_t>& keys) {
+  std::string s;
+  for (size_t i = 0; i < keys.size(); ++i) s += (i ? "," : "") + std::to_string(keys[i]);
+  return s;
+}
+
+// Fills `dst` (a view) from the first memory found: live per-key memory, then a restored one.
+// Returns whether one was found with the right number of elements.
+bool claim_memory(int64_t key, const at::Tensor& dst, std::unordered_map<int64_t, at::Tensor>& live,
+                  std::unordered_map<int64_t, at::Tensor>& restored) {
+  auto it = live.find(key);
+  if (it != live.end() && it->second.numel() == dst.numel()) {
+    dst.copy_(it->second.reshape(dst.sizes()));
+    return true;
+  }
+  auto rt = restored.find(key);
+  if (rt != restored.end()) {
+    at::Tensor src = rt->second;
+    restored.erase(rt);
+    if (src.numel() == dst.numel()) {
+      dst.copy_(src.reshape(dst.sizes()));
+      return true;
+    }
+  }
+  return false;
+}
+
+// (n, m) of the matrix view torch uses: tensor.view(tensor.shape[0], -1).
+std::pair<int64_t, int64_t> matrix_shape(const at::Tensor& g) {
+  const int64_t n = g.dim() == 0 ? 1 : g.size(0);
+  return {n, n == 0 ? 0 : g.numel() / n};
+}
+
+std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
+                                                     const c10d::GradBucket& bucket,
+                                                     const std::vector<int64_t>& keys,
+                                                     const at::Tensor& input) {
+  const auto& o = st.options();
+  auto L = std::make_shared<BucketLayout>();
+  L->keys = keys;
+  L->compute_dtype = compute_dtype_for(input);
+  L->wire_dtype = input.scalar_type();
+  L->device = input.device();
+  const std::vector<at::Tensor> grads = bucket.getGradients();
+  TORCH_CHECK(grads.size() == keys.size(), "powerSGD_hook: the bucket has ", grads.size(),
+              " gradients but ", keys.size(), " parameters");
+  const auto* base = static_cast<const char*>(input.data_ptr());
+  // Shapes in first-appearance order, each with its compressed gradients (torch's grouping).
+  std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<size_t>>> shape_groups;
+  std::vector<std::pair<int64_t, int64_t>> mshape(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    L->offsets.push_back((static_cast<const char*>(g.data_ptr()) - base) /
+                         static_cast<int64_t>(input.element_size()));
+    L->numels.push_back(g.numel());
+    const auto nm = matrix_shape(g);
+    mshape[i] = nm;
+    const int64_t r = std::min({nm.first, nm.second, o.matrix_approximation_rank});
+    const int64_t uncompressed = nm.first * nm.second, compressed = (nm.first + nm.second) * r;
+    L->numel_before += uncompressed;
+    if (static_cast<double>(compressed) * o.min_compression_rate <
+        static_cast<double>(uncompressed)) {
+      auto it = std::find_if(shape_groups.begin(), shape_groups.end(),
+                             [&](const auto& e) { return e.first == nm; });
+      if (it == shape_groups.end()) {
+        shape_groups.push_back({nm, {}});
+        it = std::prev(shape_groups.end());
+      }
+      it->second.push_back(i);
+      L->numel_after += compressed;
+    } else {
+      L->uncompressed.push_back(i);
+      L->unc_numel += g.numel();
+      L->numel_after += uncompressed;
+    }
+  }
+  std::vector<int64_t> p_offs, p_rows, p_cols, q_offs, q_rows, q_cols;
+  for (const auto& sg : shape_groups) {
+    const size_t begin = L->comp.size();
+    for (size_t i : sg.second) {
+      const int64_t n = mshape[i].first, m = mshape[i].second;
+      const int64_t r = std::min({n, m, o.matrix_approximation_rank});
+      L->comp.push_back(CompMatrix{i, n, m, r, L->total_p, L->total_q});
+      p_offs.push_back(L->unc_numel + L->total_p);
+      p_rows.push_back(n);
+      p_cols.push_back(r);
+      q_offs.push_back(L->total_q);
+      q_rows.push_back(m);
+      q_cols.push_back(r);
+      L->total_p += n * r;
+      L->total_q += m * r;
+    }
+    L->groups.emplace_back(begin, L->comp.size());
+  }
+  const auto opts = input.options().dtype(L->compute_dtype);
+  L->s1 = at::empty({L->unc_numel + L->total_p}, opts);
+  L->q = at::empty({L->total_q}, opts);
+  L->p_pack = MatrixPack(p_offs, p_rows, p_cols, L->device);
+  L->q_pack = MatrixPack(q_offs, q_rows, q_cols, L->device);
+  // Memories move to the new layout (after a bucket rebuild, or from a checkpoint).
+  if (o.use_error_feedback) {
+    L->error = at::zeros({input.numel()}, opts);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      at::Tensor view = L->error.narrow(0, L->offsets[i], L->numels[i]);
+      claim_memory(keys[i], view, st.error_memory, st.restored_error);
+      st.error_memory[keys[i]] = view;
+    }
+  }
+  bool all_q = !L->comp.empty();
+  for (const auto& c : L->comp) {
+    at::Tensor view = L->q.narrow(0, c.q_off, c.m * c.r);
+    all_q = claim_memory(keys[c.index], view, st.q_memory, st.restored_q) && all_q;
+    st.q_memory[keys[c.index]] = view;
+  }
+  L->q_valid = all_q;
+  return L;
+}
+
+std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
+                                                   const std::vector<int64_t>& keys,
+                                                   const c10d::GradBucket& bucket,
+                                                   const at::Tensor& input) {
+  const auto& o = st.options();
+  auto L = std::make_shared<BucketLayout>();
+  L->keys = keys;
+  L->compute_dtype = compute_dtype_for(input);
+  L->wire_dtype = input.scalar_type();
+  L->device = input.device();
+  L->total_length = input.numel();
+  L->side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(L->total_length))));
+  while (L->side * L->side < L->total_length) ++L->side;  // guard against sqrt rounding
+  L->rank = std::min(L->side, o.matrix_approximation_rank);
+  L->numel_before = L->total_length;
+  L->numel_after = L->side * L->rank * 2;
+  const auto opts = input.options().dtype(L->compute_dtype);
+  L->padded = at::zeros({L->side * L->side}, opts);
+  L->s1 = at::empty({L->side * L->rank}, opts);  // P
+  L->q = at::empty({L->side * L->rank}, opts);
+  L->p_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
+  L->q_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
+  const std::vector<at::Tensor> grads = bucket.getGradients();
+  const auto* base = static_cast<const char*>(input.data_ptr());
+  for (const auto& g : grads) {
+    L->offsets.push_back((static_cast<const char*>(g.data_ptr()) - base) /
+                         static_cast<int64_t>(input.element_size()));
+    L->numels.push_back(g.numel());
+  }
+  if (o.use_error_feedback) {
+    L->error = at::zeros({L->side * L->side}, opts);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      at::Tensor view = L->error.narrow(0, L->offsets[i], L->numels[i]);
+      claim_memory(keys[i], view, st.error_memory, st.restored_error);
+      st.error_memory[keys[i]] = view;
+    }
+  }
+  L->batched_key = join_keys(keys);
+  L->q_valid = false;
+  auto live = st.batched_q_memory.find(L->batched_key);
+  auto restored = st.restored_batched_q.find(L->batched_key);
+  if (live != st.batched_q_memory.end() && live->second.numel() == L->q.numel()) {
+    L->q.copy_(live->second);
+    L->q_valid = true;
+  } else if (restored != st.restored_batched_q.end() &&
+             restored->second.numel() == L->q.numel()) {
+    L->q.copy_(restored->second);
+    L->q_valid = true;
+  }
+  if (restored != st.restored_batched_q.end()) st.restored_batched_q.erase(restored);
+  st.batched_q_memory[L->batched_key] = L->q;
+  return L;
+}
+
+std::shared_ptr<BucketLayout> layout_for(PowerSGDState& st, const c10d::GradBucket& bucket,
+                                         const std::vector<int64_t>& keys, const at::Tensor& input,
+                                         bool batched) {
+  auto& slot = st.layouts[bucket.getIndex()];
+  if (slot && slot->keys == keys && slot->wire_dtype == input.scalar_type() &&
+      slot->device == input.device() && (batched == !slot->batched_key.empty()) &&
+      (!batched || slot->total_length == input.numel())) {
+    return slot;
+  }
+  slot = batched ? build_batched_layout(st, keys, bucket, input)
+                 : build_layerwise_layout(st, bucket, keys, input);
+  return slot;
+}
+
+// Fresh Q factors: one seed from the numpy-compatible generator, then standard normals drawn on
+// the CPU in torch's order and granularity (one draw per same-shape group when batching, else one
+// per matrix), so the factors equal those of torch's hook.
+void randomize_q(PowerSGDState& st, BucketLayout& L, bool batch_same_shape) {
+  const int64_t seed = st.rng().randint_1e9();
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
+  const auto cpu = at::TensorOptions().dtype(L.wire_dtype).device(at::kCPU);
+  auto fill = [&](int64_t off, int64_t numel) {
+    at::Tensor r = at::randn({numel}, gen, cpu);
+    L.q.narrow(0, off, numel).copy_(r);
+  };
+  if (!L.batched_key.empty()) {
+    fill(0, L.q.numel());
+    return;
+  }
+  for (const auto& g : L.groups) {
+    if (batch_same_shape) {
+      const auto& first = L.comp[g.first];
+      fill(first.q_off, static_cast<int64_t>(g.second - g.first) * first.m * first.r);
+    } else {
+      for (size_t k = g.first; k < g.second; ++k) fill(L.comp[k].q_off, L.comp[k].m * L.comp[k].r);
+    }
+  }
+}
+
+at::Tensor matrix_of(const PendingJob& job, const CompMatrix& c) {
+  const BucketLayout& L = *job.layout;
+  return job.work.narrow(0, L.offsets[c.index], c.n * c.m).view({c.n, c.m});
+}
+at::Tensor p_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
+  return L.s1.narrow(0, L.unc_numel + c.p_off, count * c.n * c.r).view({count, c.n, c.r});
+}
+at::Tensor q_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
+  return L.q.narrow(0, c.q_off, count * c.m * c.r).view({count, c.m, c.r});
+}
+
+// Runs f(matrices [b, n, m], P [b, n, r], Q [b, m, r]) per same-shape group (batched products)
+// or per matrix.
+template <typename F>
+void for_each_item(const PendingJob& job, F&& f) {
+  const BucketLayout& L = *job.layout;
+  for (size_t gi = 0; gi < L.groups.size(); ++gi) {
+    const auto& g = L.groups[gi];
+    const int64_t count = static_cast<int64_t>(g.second - g.first);
+    if (job.batch_same_shape && count > 1) {
+      f(job.stacked[gi], p_of(L, L.comp[g.first], count), q_of(L, L.comp[g.first], count));
+    } else {
+      for (size_t k = g.first; k < g.second; ++k) {
+        f(matrix_of(job, L.comp[k]).unsqueeze(0), p_of(L, L.comp[k]), q_of(L, L.comp[k]));
+      }
+    }
+  }
+}
+
+// Round one: compensate, draw or orthogonalise Q, P = MQ, and start the allreduce of
+// [uncompressed | Ps] (layer-wise) or P (batched).
+std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradBucket& bucket,
+                                            const std::vector<int64_t>& keys,
+                                            const at::Tensor& input, bool batched) {
+  const auto& o = st.options();
+  auto job = std::make_shared<PendingJob>();
+  job->layout = layout_for(st, bucket, keys, input, batched);
+  BucketLayout& L = *job->layout;
+  job->batched = batched;
+  job->warm_start = o.warm_start;
+  job->batch_same_shape = o.batch_tensors_with_same_shape && !batched;
+  job->epsilon = o.orthogonalization_epsilon;
+  job->world = st.process_group()->getSize();
+  job->input = input;
+  job->result = make_result_future(input);
+  st.add_compression_stats(L.numel_before, L.numel_after);
+
+  if (batched) {
+    L.padded.narrow(0, 0, L.total_length).copy_(input);
+    if (L.side * L.side > L.total_length) {
+      L.padded.narrow(0, L.total_length, L.side * L.side - L.total_length).zero_();
+    }
+    job->work = L.padded;
+  } else {
+    job->work = input.scalar_type() == L.compute_dtype ? input : input.to(L.compute_dtype);
+  }
+  if (o.use_error_feedback) error_feedback_apply_(job->work, L.error);
+
+  if (!o.warm_start || !L.q_valid) randomize_q(st, L, job->batch_same_shape);
+  orthogonalize_(L.q, L.q_pack, job->epsilon);
+
+  if (batched) {
+    at::Tensor m = L.padded.view({L.side, L.side});
+    mm_into(L.s1.view({L.side, L.rank}), m, L.q.view({L.side, L.rank}));
+  } else {
+    if (job->batch_same_shape) {
+      job->stacked.resize(L.groups.size());
+      for (size_t gi = 0; gi < L.groups.size(); ++gi) {
+        const auto& g = L.groups[gi];
+        if (g.second - g.first < 2) continue;
+        std::vector<at::Tensor> mats;
+        for (size_t k = g.first; k < g.second; ++k) mats.push_back(matrix_of(*job, L.comp[k]));
+        job->stacked[gi] = at::stack(mats);
+      }
+    }
+    for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
+      bmm_into(p, m, q);
+    });
+    int64_t pos = 0;
+    for (size_t i : L.uncompressed) {
+      L.s1.narrow(0, pos, L.numels[i]).copy_(job->work.narrow(0, L.offsets[i], L.numels[i]));
+      pos += L.numels[i];
+    }
+  }
+  // P (and the uncompressed values) travel in the bucket's dtype.
+  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.s1 : scaled_cast(L.s1, L.wire_dtype, 1.0);
+  job->round1 = sum_into(st.process_group(), wire, L.s1, 1.0, ExchangeMode::kAuto);
+  return job;
+}
+
+void finish(PendingJob& job) {
+  BucketLayout& L = *job.layout;
+  if (job.batched) {
+    job.input.copy_(L.padded.narrow(0, 0, L.total_length));
+  } else {
+    if (job.batch_same_shape) {
+      for (size_t gi = 0; gi < L.groups.size(); ++gi) {
+        if (!job.stacked[gi].defined()) continue;
+        const auto& g = L.groups[gi];
+        for (size_t k = g.first; k < g.second; ++k) {
+          matrix_of(job, L.comp[k]).copy_(job.stacked[gi][static_cast<int64_t>(k - g.first)]);
+        }
+      }
+    }
+  }
+  // The compensated input minus what the step applies: the residual for the next step.
+  if (L.error.defined()) L.error.sub_(job.work);
+  if (!job.batched && !job.work.is_same(job.input)) job.input.copy_(job.work);
+  L.q_valid = job.warm_start;
+  job.result->markCompleted(c10::IValue(job.input));
+}
+
+// Waits for round one of `job`, then starts round two (Q = M^T P, allreduced); the job's result
+// completes when round two has been decompressed.
+void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                     const std::shared_ptr<PendingJob>& job) {
+  BucketLayout& L = *job->layout;
+  job->round1->wait();
+  if (L.unc_numel > 0) {
+    at::Tensor unc = L.s1.narrow(0, 0, L.unc_numel);
+    unc.div_(job->world);
+    int64_t pos = 0;
+    for (size_t i : L.uncompressed) {
+      job->work.narrow(0, L.offsets[i], L.numels[i]).copy_(unc.narrow(0, pos, L.numels[i]));
+      pos += L.numels[i];
+    }
+  }
+  if (!job->batched && L.comp.empty()) {
+    finish(*job);
+    return;
+  }
+  orthogonalize_(L.s1, L.p_pack, job->epsilon);
+  if (job->batched) {
+    at::Tensor m = L.padded.view({L.side, L.side});
+    mm_into(L.q.view({L.side, L.rank}), m.t(), L.s1.view({L.side, L.rank}));
+  } else {
+    for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
+      bmm_into(q, m.transpose(1, 2), p);
+    });
+  }
+  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.q : scaled_cast(L.q, L.wire_dtype, 1.0);
+  FuturePtr round2 = sum_into(pg, wire, L.q, 1.0 / job->world, ExchangeMode::kAuto);
+  round2->addCallback([job](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      job->result->setError(f.exception_ptr());
+      return;
+    }
+    try {
+      BucketLayout& L = *job->layout;
+      if (job->batched) {
+        mm_into(L.padded.view({L.side, L.side}), L.s1.view({L.side, L.rank}),
+                   L.q.view({L.side, L.rank}).t());
+      } else {
+        for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
+          bmm_into(m, p, q.transpose(1, 2));
+        });
+      }
+      finish(*job);
+    } catch (...) {
+      job->result->setError(std::current_exception());
+    }
+  });
+}
+
+// Issues round two of the bucket left pending by the previous runHook. Failures go to that
+// bucket's future (DDP reports them when it waits), not to the current caller.
+void flush_pending(PowerSGDState& st) {
+  std::shared_ptr<PendingJob> job = std::move(st.pending);
+  st.pending.reset();
+  if (!job) return;
+  try {
+    start_round_two(st.process_group(), job);
+  } catch (...) {
+    if (!job->result->completed()) job->result->setError(std::current_exception());
+  }
+}
+
+}  // namespace
+
+PowerSGDHook::PowerSGDHook(PowerSGDStatePtr state, bool batched)
+    : state_(std::move(state)), batched_(batched) {
+  TORCH_CHECK_TYPE(state_ != nullptr, name(), ": state must be a PowerSGDState, got None");
+}
+
+std::string PowerSGDHook::name() const {
+  return batched_ ? "batched_powerSGD_hook" : "powerSGD_hook";
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& bucket) {
+  PowerSGDState& st = *state_;
+  const at::Tensor input = bucket.getBuffer();
+  const bool is_last = bucket.isLast();
+  std::vector<int64_t> keys;
+  try {
+    detail::check_bucket(input, name());
+    keys = st.keys_for(bucket, name());
+  } catch (...) {
+    flush_pending(st);
+    throw;
+  }
+  if (st.iter() < st.options().start_powerSGD_iter) {
+    flush_pending(st);
+    st.maybe_increase_iter(is_last);
+    return allreduce_mean(st.process_group(), input, ExchangeMode::kAuto);
+  }
+  std::shared_ptr<PendingJob> job;
+  try {
+    job = start_round_one(st, bucket, keys, input, batched_);
+  } catch (...) {
+    flush_pending(st);
+    throw;
+  }
+  st.maybe_report_stats(is_last);
+  flush_pending(st);
+  if (is_last) {
+    start_round_two(st.process_group(), job);
+    st.maybe_increase_iter(true);
+  } else {
+    st.pending = job;
+  }
+  return job->result;
+}
+
+CommHookPtr powerSGD_hook(PowerSGDStatePtr state) {
+  return std::make_shared<PowerSGDHook>(std::move(state), false);
+}
+
+CommHookPtr batched_powerSGD_hook(PowerSGDStatePtr state) {
+  return std::make_shared<PowerSGDHook>(std::move(state), true);
+}
+
+}  // namespace hooks
+}  // namespace ddpx

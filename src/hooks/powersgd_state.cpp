@@ -1,0 +1,250 @@
+#include <ddpx/hooks/powersgd_state.h>
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "powersgd_internal.h"
+
+namespace ddpx {
+namespace hooks {
+
+void PowerSGDOptions::validate() const {
+  TORCH_CHECK_VALUE(matrix_approximation_rank >= 1,
+                    "matrix_approximation_rank must be >= 1, got ", matrix_approximation_rank);
+  TORCH_CHECK_VALUE(min_compression_rate >= 0, "min_compression_rate must be >= 0, got ",
+                    min_compression_rate);
+  TORCH_CHECK_VALUE(orthogonalization_epsilon >= 0, "orthogonalization_epsilon must be >= 0, got ",
+                    orthogonalization_epsilon);
+  TORCH_CHECK_VALUE(random_seed >= 0 && random_seed <= 0xFFFFFFFFll,
+                    "random_seed must be between 0 and 2**32 - 1, got ", random_seed);
+  // Same condition and text as torch.
+  TORCH_CHECK_VALUE(!((use_error_feedback || warm_start) && start_powerSGD_iter <= 1),
+                    "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is "
+                    "enabled, because PowerSGD can only be applied after the first two iterations "
+                    "in DDP.");
+}
+
+int64_t NumpyRandint::randint_1e9() {
+  // numpy's legacy bounded draw for range 999999999: 32-bit draws masked to 2^30 - 1, rejected
+  // until <= the range.
+  constexpr uint32_t kRange = 999999999u, kMask = (1u << 30) - 1;
+  uint32_t v;
+  do {
+    v = static_cast<uint32_t>(engine_()) & kMask;
+  } while (v > kRange);
+  return v;
+}
+
+std::string NumpyRandint::serialize() const {
+  std::ostringstream os;
+  os << engine_;
+  return os.str();
+}
+
+void NumpyRandint::deserialize(const std::string& text) {
+  std::istringstream is(text);
+  std::mt19937 engine;
+  is >> engine;
+  TORCH_CHECK(!is.fail(), "PowerSGDState: corrupt generator state in checkpoint");
+  engine_ = engine;
+}
+
+PowerSGDState::PowerSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                             PowerSGDOptions options,
+                             std::function<void(const std::string&)> logger)
+    : pg_(std::move(process_group)),
+      options_(options),
+      rng_(static_cast<uint32_t>(options.random_seed)),
+      logger_(std::move(logger)) {
+  TORCH_CHECK_TYPE(pg_, "PowerSGDState: process_group must be a ProcessGroup");
+  options_.validate();
+  options_.compression_stats_logging_frequency =
+      std::max<int64_t>(1, options_.compression_stats_logging_frequency);
+  std::ostringstream os;
+  os << "PowerSGD config: matrix_approximation_rank = " << options_.matrix_approximation_rank
+     << "; start_powerSGD_iter = " << options_.start_powerSGD_iter
+     << "; min_compression_rate = " << options_.min_compression_rate
+     << "; orthogonalization_epsilon = " << options_.orthogonalization_epsilon
+     << "; use_error_feedback = " << options_.use_error_feedback
+     << "; warm_start = " << options_.warm_start << "; random_seed = " << options_.random_seed
+     << "; compression_stats_logging_frequency = "
+     << options_.compression_stats_logging_frequency
+     << "; batch_tensors_with_same_shape = " << options_.batch_tensors_with_same_shape;
+  log(os.str());
+}
+
+PowerSGDState::~PowerSGDState() = default;
+
+void PowerSGDState::set_options(const PowerSGDOptions& options) {
+  options.validate();
+  options_ = options;
+  options_.compression_stats_logging_frequency =
+      std::max<int64_t>(1, options_.compression_stats_logging_frequency);
+}
+
+void PowerSGDState::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  TORCH_CHECK_TYPE(pg, "PowerSGDState: process_group must be a ProcessGroup");
+  pg_ = std::move(pg);
+}
+
+std::tuple<double, int64_t, int64_t> PowerSGDState::compression_stats() const {
+  const double rate =
+      total_after_ > 0 ? static_cast<double>(total_before_) / static_cast<double>(total_after_) : 0;
+  return std::make_tuple(rate, total_before_, total_after_);
+}
+
+void PowerSGDState::maybe_increase_iter(bool bucket_is_last) {
+  if (bucket_is_last) {
+    ++iter_;
+    saw_full_iteration_ = true;
+  }
+  if (iter_ == options_.start_powerSGD_iter && bucket_is_last) {
+    log("Start to apply PowerSGD after " + std::to_string(iter_) + " iterations.");
+  }
+}
+
+void PowerSGDState::set_logger(std::function<void(const std::string&)> logger) {
+  logger_ = std::move(logger);
+}
+
+void PowerSGDState::log(const std::string& line) const {
+  if (logger_) {
+    logger_(line);
+  } else {
+    LOG(INFO) << line;
+  }
+}
+
+void PowerSGDState::add_compression_stats(int64_t before, int64_t after) {
+  total_before_ += before;
+  total_after_ += after;
+}
+
+void PowerSGDState::maybe_report_stats(bool bucket_is_last) {
+  if (!bucket_is_last || iter_ < next_stats_report_) return;
+  auto stats = compression_stats();
+  std::ostringstream os;
+  os << "Compression stats: iter " << iter_ << ", total before compression "
+     << std::get<1>(stats) << ", total after compression " << std::get<2>(stats) << ", rate "
+     << std::get<0>(stats);
+  log(os.str());
+  next_stats_report_ = iter_ + options_.compression_stats_logging_frequency;
+}
+
+std::vector<int64_t> PowerSGDState::keys_for(const c10d::GradBucket& bucket,
+                                             const std::string& hook_name) {
+  const std::vector<at::Tensor> params = bucket.getParameters();
+  std::vector<int64_t> keys;
+  keys.reserve(params.size());
+  for (const auto& p : params) {
+    const void* id = p.unsafeGetTensorImpl();
+    auto it = key_of_.find(id);
+    if (it == key_of_.end()) {
+      TORCH_CHECK_VALUE(!saw_full_iteration_, hook_name,
+                        ": this PowerSGDState already serves another DDP model (a parameter it "
+                        "has not seen in a whole iteration reached the hook); create one state per "
+                        "model, or load_state_dict() a checkpoint into a new state");
+      it = key_of_.emplace(id, static_cast<int64_t>(key_of_.size())).first;
+    }
+    keys.push_back(it->second);
+  }
+  return keys;
+}
+
+namespace {
+c10::impl::GenericDict tensor_dict(const std::unordered_map<int64_t, at::Tensor>& live,
+                                   const std::unordered_map<int64_t, at::Tensor>& restored) {
+  c10::impl::GenericDict d(c10::IntType::get(), c10::TensorType::get());
+  for (const auto& kv : restored) d.insert(kv.first, kv.second);
+  for (const auto& kv : live) d.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
+  return d;
+}
+void load_tensor_dict(const c10::IValue& v, std::unordered_map<int64_t, at::Tensor>& out) {
+  out.clear();
+  for (const auto& kv : v.toGenericDict()) out[kv.key().toInt()] = kv.value().toTensor();
+}
+}  // namespace
+
+c10::impl::GenericDict PowerSGDState::state_dict() const {
+  TORCH_CHECK(!pending, "PowerSGDState.state_dict(): called during backward");
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  d.insert("format", std::string("ddpx.PowerSGDState/1"));
+  d.insert("iter", iter_);
+  d.insert("total_numel_before_compression", total_before_);
+  d.insert("total_numel_after_compression", total_after_);
+  d.insert("next_stats_report", next_stats_report_);
+  d.insert("rng", rng_.serialize());
+  d.insert("matrix_approximation_rank", options_.matrix_approximation_rank);
+  d.insert("start_powerSGD_iter", options_.start_powerSGD_iter);
+  d.insert("min_compression_rate", options_.min_compression_rate);
+  d.insert("use_error_feedback", options_.use_error_feedback);
+  d.insert("warm_start", options_.warm_start);
+  d.insert("orthogonalization_epsilon", options_.orthogonalization_epsilon);
+  d.insert("random_seed", options_.random_seed);
+  d.insert("compression_stats_logging_frequency", options_.compression_stats_logging_frequency);
+  d.insert("batch_tensors_with_same_shape", options_.batch_tensors_with_same_shape);
+  d.insert("error", tensor_dict(error_memory, restored_error));
+  d.insert("q", tensor_dict(q_memory, restored_q));
+  c10::impl::GenericDict bq(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& kv : restored_batched_q) bq.insert(kv.first, kv.second);
+  for (const auto& kv : batched_q_memory) {
+    bq.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
+  }
+  d.insert("batched_q", bq);
+  return d;
+}
+
+void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d) {
+  auto get = [&](const char* key) -> c10::IValue {
+    auto it = d.find(std::string(key));
+    TORCH_CHECK_VALUE(it != d.end(), "PowerSGDState.load_state_dict: missing key '", key, "'");
+    return it->value();
+  };
+  TORCH_CHECK_VALUE(get("format").toStringRef() == "ddpx.PowerSGDState/1",
+                    "PowerSGDState.load_state_dict: not a ddpx PowerSGDState checkpoint");
+  PowerSGDOptions o;
+  o.matrix_approximation_rank = get("matrix_approximation_rank").toInt();
+  o.start_powerSGD_iter = get("start_powerSGD_iter").toInt();
+  o.min_compression_rate = get("min_compression_rate").toDouble();
+  o.use_error_feedback = get("use_error_feedback").toBool();
+  o.warm_start = get("warm_start").toBool();
+  o.orthogonalization_epsilon = get("orthogonalization_epsilon").toDouble();
+  o.random_seed = get("random_seed").toInt();
+  o.compression_stats_logging_frequency = get("compression_stats_logging_frequency").toInt();
+  o.batch_tensors_with_same_shape = get("batch_tensors_with_same_shape").toBool();
+  set_options(o);
+  iter_ = get("iter").toInt();
+  total_before_ = get("total_numel_before_compression").toInt();
+  total_after_ = get("total_numel_after_compression").toInt();
+  next_stats_report_ = get("next_stats_report").toInt();
+  rng_.deserialize(get("rng").toStringRef());
+  load_tensor_dict(get("error"), restored_error);
+  load_tensor_dict(get("q"), restored_q);
+  restored_batched_q.clear();
+  for (const auto& kv : get("batched_q").toGenericDict()) {
+    restored_batched_q[kv.key().toStringRef()] = kv.value().toTensor();
+  }
+  // A fresh start for everything tied to this process's tensors.
+  error_memory.clear();
+  q_memory.clear();
+  batched_q_memory.clear();
+  layouts.clear();
+  pending.reset();
+  key_of_.clear();
+  saw_full_iteration_ = false;
+}
+
+std::vector<char> PowerSGDState::save() const { return torch::jit::pickle_save(state_dict()); }
+
+void PowerSGDState::load(const std::vector<char>& bytes) {
+  c10::IValue v = torch::jit::pickle_load(bytes);
+  TORCH_CHECK_VALUE(v.isGenericDict(), "PowerSGDState.load: not a ddpx PowerSGDState checkpoint");
+  load_state_dict(v.toGenericDict());
+}
+
+}  // namespace hooks
+}  // namespace ddpx

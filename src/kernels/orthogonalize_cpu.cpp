@@ -1,0 +1,49 @@
+#include <ddpx/compression/orthogonalize.h>
+
+#include <cmath>
+
+namespace ddpx {
+namespace kernels {
+namespace {
+
+template <typename T>
+void gram_schmidt(T* m, int64_t n, int64_t r, double eps) {
+  for (int64_t i = 0; i < r; ++i) {
+    double sq = 0;
+    for (int64_t j = 0; j < n; ++j) sq += double(m[j * r + i]) * double(m[j * r + i]);
+    const double norm = std::sqrt(sq);
+    if (norm == 0.0 && eps == 0.0) {
+      for (int64_t j = 0; j < n; ++j) m[j * r + i] = T(0);
+      continue;
+    }
+    const T inv = T(1.0 / (norm + eps));
+    for (int64_t j = 0; j < n; ++j) m[j * r + i] *= inv;
+    for (int64_t c = i + 1; c < r; ++c) {
+      double dot = 0;
+      for (int64_t j = 0; j < n; ++j) dot += double(m[j * r + i]) * double(m[j * r + c]);
+      const T d = T(dot);
+      for (int64_t j = 0; j < n; ++j) m[j * r + c] -= d * m[j * r + i];
+    }
+  }
+}
+
+template <typename T>
+void run(T* data, const int64_t* offsets, const int64_t* rows, const int64_t* cols, int64_t count,
+         double eps) {
+  for (int64_t k = 0; k < count; ++k) gram_schmidt(data + offsets[k], rows[k], cols[k], eps);
+}
+
+}  // namespace
+
+void orthogonalize_cpu(float* data, const int64_t* offsets, const int64_t* rows,
+                       const int64_t* cols, int64_t count, float epsilon) {
+  run(data, offsets, rows, cols, count, epsilon);
+}
+
+void orthogonalize_cpu(double* data, const int64_t* offsets, const int64_t* rows,
+                       const int64_t* cols, int64_t count, double epsilon) {
+  run(data, offsets, rows, cols, count, epsilon);
+}
+
+}  // namespace kernels
+}  // namespace ddpx
