@@ -1,0 +1,595 @@
+#!/usr/bin/env python3
+"""The ddpx main job: DDP training on the `digits` data set, once per communication hook.
+
+Launch (2 processes, Gloo on CPU; NCCL when there is one GPU per process)::
+
+    PYTHONPATH=build/python python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+        --redirects 1 --tee 1 examples/train_digits.py --out out/
+
+(`--redirects 1 --tee 1` works around a crash of torch 1.13's torchrun on Python 3.11; it
+prefixes every line a rank prints with ``[default<rank>]:``, so the final table is also written,
+unprefixed, to ``out/results.md``.)
+
+Every configuration in ``CONFIGS`` trains the same MLP from the same initial weights on the same
+data order, and the table reports test accuracy (all ranks), median ms per training step after
+warm-up, the modelled bytes each rank sends per step (from the buckets DDP really built), and
+the final training loss. Adding a hook to the table = adding one ``Config`` to ``CONFIGS``.
+
+Outputs (rank 0): out/results.md, out/results.json, out/loss_curves.png.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+try:
+    import ddpx
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise SystemExit(
+        f"train_digits.py: cannot import ddpx ({exc}). Build it and put it on the path, e.g. "
+        "`cmake -S . -B build -G Ninja && cmake --build build` then PYTHONPATH=build/python, "
+        "or `pip install --no-build-isolation .`"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire-byte models: bytes one rank sends per step for one bucket of `numel` elements.
+# These are models of the collective algorithms, not measurements.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Bucket:
+    numel: int
+    dtype: torch.dtype
+    param_shapes: Optional[List[torch.Size]]  # None when DDP did not report the layout
+
+
+@dataclasses.dataclass
+class WireContext:
+    world: int
+    backend: str  # "gloo" or "nccl"
+    device: torch.device
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def ring_allreduce_bytes(numel: int, elem_size: int, world: int) -> float:
+    """Ring allreduce (reduce-scatter + allgather): 2 (W-1)/W * numel * elem_size per rank."""
+    return 2.0 * (world - 1) / world * numel * elem_size
+
+
+def allgather_bytes(numel: int, elem_size: int, world: int) -> float:
+    """Allgather of every rank's full vector: (W-1) * numel * elem_size per rank."""
+    return float((world - 1) * numel * elem_size)
+
+
+def wire_fp32_allreduce(buckets: List[Bucket], ctx: WireContext) -> float:
+    """DDP's default and allreduce hooks: a ring allreduce in the bucket's dtype."""
+    return sum(ring_allreduce_bytes(b.numel, _elem(b.dtype), ctx.world) for b in buckets)
+
+
+def wire_torch_16bit(buckets: List[Bucket], ctx: WireContext) -> float:
+    """torch's fp16/bf16 compress hooks: a ring allreduce of 16-bit values, on any backend."""
+    return sum(ring_allreduce_bytes(b.numel, 2, ctx.world) for b in buckets)
+
+
+def wire_ddpx_16bit(buckets: List[Bucket], ctx: WireContext) -> float:
+    """ddpx 16-bit hooks/wrappers (ExchangeMode AUTO): allgather of 16-bit bytes on Gloo or CPU
+    tensors, 16-bit ring allreduce otherwise (NCCL on GPU)."""
+    if ctx.backend == "gloo" or ctx.device.type == "cpu":
+        return sum(allgather_bytes(b.numel, 2, ctx.world) for b in buckets)
+    return wire_torch_16bit(buckets, ctx)
+
+
+def wire_none(buckets: List[Bucket], ctx: WireContext) -> float:
+    return 0.0
+
+
+WIRE_FOOTNOTES = {
+    wire_fp32_allreduce: "fp32 ring allreduce: 2(W-1)/W x numel x 4",
+    wire_torch_16bit: "16-bit ring allreduce: 2(W-1)/W x numel x 2",
+    wire_ddpx_16bit: ("ddpx 16-bit: on Gloo/CPU allgather of 16-bit bytes (W-1) x numel x 2; "
+                      "on NCCL 16-bit ring allreduce 2(W-1)/W x numel x 2"),
+    wire_none: "no communication: 0",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The configurations. One entry per table row; later hooks (PowerSGD, post-local SGD) join here.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Config:
+    name: str  # "hook" column
+    registration: str  # "DDP default" / "drop-in" / "native"
+    # Registers the hook on a fresh DDP model (called once per run, after DDP is built, so
+    # stateful hooks get a fresh state). None: DDP's built-in allreduce.
+    register: Optional[Callable[[DDP], None]]
+    wire: Callable[[List[Bucket], WireContext], float]
+    # What the row says if registration raises on this backend (an expected refusal).
+    unsupported_note: Optional[str] = None
+    # Optional optimizer factory (e.g. post-local SGD's PostLocalSGDOptimizer); default SGD.
+    make_optimizer: Optional[Callable[[DDP, argparse.Namespace], torch.optim.Optimizer]] = None
+    # False for hooks that do not keep replicas in sync (noop): skips the sync check.
+    synchronises: bool = True
+
+
+def drop_in(hook: Callable, state: Callable[[], Any] = lambda: None) -> Callable[[DDP], None]:
+    """`ddp.register_comm_hook(state, hook)`: torch's API (torch's or ddpx's hook)."""
+    return lambda ddp: ddp.register_comm_hook(state(), hook)
+
+
+def native(hook: Callable, state: Callable[[], Any] = lambda: None) -> Callable[[DDP], None]:
+    """`ddpx.register_comm_hook(ddp, state, hook)`: the C++ hook straight into DDP's Reducer."""
+    return lambda ddp: ddpx.register_comm_hook(ddp, state(), hook)
+
+
+H = ddpx.hooks
+CONFIGS: List[Config] = [
+    Config("no hook", "DDP default", None, wire_fp32_allreduce),
+    Config("torch allreduce_hook", "drop-in", drop_in(torch_hooks.allreduce_hook),
+           wire_fp32_allreduce),
+    Config("ddpx allreduce_hook", "drop-in", drop_in(H.allreduce_hook), wire_fp32_allreduce),
+    Config("ddpx allreduce_hook", "native", native(H.allreduce_hook), wire_fp32_allreduce),
+    Config("torch fp16_compress_hook", "drop-in", drop_in(torch_hooks.fp16_compress_hook),
+           wire_torch_16bit),
+    Config("ddpx fp16_compress_hook", "drop-in", drop_in(H.fp16_compress_hook), wire_ddpx_16bit),
+    Config("ddpx fp16_compress_hook", "native", native(H.fp16_compress_hook), wire_ddpx_16bit),
+    Config("torch bf16_compress_hook", "drop-in", drop_in(torch_hooks.bf16_compress_hook),
+           wire_torch_16bit, unsupported_note="unsupported by torch on Gloo"),
+    Config("ddpx bf16_compress_hook", "native", native(H.bf16_compress_hook), wire_ddpx_16bit),
+    Config("ddpx fp16_compress_wrapper(allreduce_hook)", "native",
+           native(H.fp16_compress_wrapper(H.allreduce_hook)), wire_ddpx_16bit),
+    Config("ddpx noop_hook", "native", native(H.noop_hook), wire_none, synchronises=False),
+    # e.g. later:
+    # Config("ddpx powerSGD_hook r=1", "native",
+    #        native(H.powerSGD_hook, lambda: H.PowerSGDState(None, matrix_approximation_rank=1)),
+    #        wire_powersgd(1)),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data, model, training
+# ---------------------------------------------------------------------------------------------
+def load_digits_split(seed: int):
+    """The real sklearn `digits` (1797 8x8 images), a fixed stratified 80/20 split,
+    standardised with the training set's statistics."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+    scaler = StandardScaler().fit(x_tr)
+    f = lambda a: torch.tensor(scaler.transform(a), dtype=torch.float32)  # noqa: E731
+    g = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
+    return f(x_tr), g(y_tr), f(x_te), g(y_te)
+
+
+def make_mlp(hidden: int, depth: int) -> nn.Module:
+    layers: List[nn.Module] = []
+    width = 64
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def bucket_layout(ddp: DDP, model: nn.Module) -> List[Bucket]:
+    """The buckets DDP's Reducer actually uses (after its rebuild on the first iterations), from
+    DDP's own logging data: sizes in bytes and the parameters in each bucket."""
+    data = ddp._get_ddp_logging_data()
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtype = params[0].dtype
+    if data.get("has_rebuilt_buckets") and data.get("rebuilt_bucket_sizes"):
+        sizes = [int(s) for s in str(data["rebuilt_bucket_sizes"]).split(",")]
+        idx = [[int(i) for i in grp.split()] for grp in
+               str(data.get("rebuilt_per_bucket_param_indices", "")).split(",")]
+    else:
+        sizes = [int(s) for s in str(data["bucket_sizes"]).split(",")]
+        idx = []
+    buckets = []
+    for k, nbytes in enumerate(sizes):
+        shapes = [params[i].shape for i in idx[k]] if len(idx) == len(sizes) else None
+        if shapes is not None:
+            assert sum(math.prod(s) for s in shapes) * _elem(dtype) == nbytes, (shapes, nbytes)
+        buckets.append(Bucket(nbytes // _elem(dtype), dtype, shapes))
+    return buckets
+
+
+def probe_buckets(make_model, x, y, device) -> List[Dict[str, Any]]:
+    """Observes the buckets a hook really receives (numel, dtype) for a few steps, with a Python
+    hook wrapping torch's allreduce_hook: a cross-check of the layout `bucket_layout` reads."""
+    model = make_model()
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    seen: List[Dict[str, Any]] = []
+
+    def recording_hook(state, bucket):
+        buf = bucket.buffer()
+        seen.append({"index": bucket.index(), "numel": buf.numel(), "dtype": str(buf.dtype)})
+        return torch_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, recording_hook)
+    for _ in range(3):
+        seen.append({"step": True})
+        nn.functional.cross_entropy(ddp(x[:16]), y[:16]).backward()
+    # Keep the last step's buckets (after DDP's rebuild).
+    last = len(seen) - 1 - seen[::-1].index({"step": True})
+    return seen[last + 1:]
+
+
+class Run:
+    """One configuration's training: its own model (same initial weights as every other), DDP
+    wrapper, hook and optimizer. All runs advance together, one step each in turn, on the same
+    batches (see `train_all`)."""
+
+    def __init__(self, cfg: Config, args, make_model, device):
+        self.cfg, self.device = cfg, device
+        self.row: Dict[str, Any] = {"hook": cfg.name, "registration": cfg.registration}
+        self.model = make_model()
+        self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None)
+        self.step_ms: List[float] = []
+        self.epoch_loss: List[float] = []
+        self.step_loss: List[float] = []  # this rank's loss of every step
+        self.loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of batch losses, batches)
+        self.opt: Optional[torch.optim.Optimizer] = None
+        if cfg.register is not None:
+            try:
+                cfg.register(self.ddp)
+            except Exception as exc:  # a refusal at registration: the same on every rank
+                self.fail(exc, cfg.unsupported_note or "registration failed",
+                          "unsupported" if cfg.unsupported_note else "error")
+                return
+        self.opt = (cfg.make_optimizer(self.ddp, args) if cfg.make_optimizer else
+                    torch.optim.SGD(self.ddp.parameters(), lr=args.lr, momentum=0.9))
+
+    @property
+    def alive(self) -> bool:
+        return "status" not in self.row
+
+    def fail(self, exc: BaseException, note: str, status: str = "error") -> None:
+        msg = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        self.row.update(status=status, note=note, error=msg)
+        self.ddp = self.opt = None
+
+    def step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        sync = self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        # Start every timed step together on all ranks: otherwise the skew a step leaves (noop
+        # does not synchronise at all) is charged to whichever configuration steps next.
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(self.ddp(xb), yb)
+        loss.backward()
+        self.opt.step()
+        if sync:
+            torch.cuda.synchronize(self.device)
+        self.step_ms.append((time.perf_counter() - t0) * 1e3)
+        self.step_loss.append(loss.item())
+        self.loss_sum[0] += self.step_loss[-1]
+        self.loss_sum[1] += 1
+
+    def end_epoch(self) -> None:
+        red = self.loss_sum.to(self.device)
+        dist.all_reduce(red)  # all-rank mean training loss of the epoch
+        self.epoch_loss.append(float(red[0] / red[1]))
+        self.loss_sum.zero_()
+
+    def finish(self, args, data, ctx: WireContext, rank: int, world: int) -> Dict[str, Any]:
+        x_te, y_te = data[2], data[3]
+        # Test accuracy over the whole test set: each rank scores its share with its replica.
+        with torch.no_grad():
+            mine = torch.arange(rank, len(x_te), world, device=x_te.device)
+            pred = self.model(x_te[mine]).argmax(dim=1)
+            counts = torch.tensor([(pred == y_te[mine]).sum().item(), len(mine)],
+                                  dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        # Are the replicas identical? (max |w_rank - w_rank0| over all weights and ranks)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]).double()
+        ref = flat.clone()
+        dist.broadcast(ref, 0)
+        spread = (flat - ref).abs().max().reshape(1)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        warm = min(args.warmup_steps, len(self.step_ms) - 1)
+        med = torch.tensor([statistics.median(self.step_ms[warm:])], dtype=torch.float64,
+                           device=self.device)
+        dist.all_reduce(med)  # mean over ranks of each rank's median
+        step_loss = torch.tensor(self.step_loss, dtype=torch.float64, device=self.device)
+        dist.all_reduce(step_loss)  # all-rank mean loss of every step
+        buckets = bucket_layout(self.ddp, self.model)
+        cfg = self.cfg
+        self.row.update(
+            status="ok",
+            test_acc=float(counts[0] / counts[1]),
+            ms_per_step=float(med.item() / world),
+            bytes_per_step=cfg.wire(buckets, ctx),
+            wire_model=WIRE_FOOTNOTES.get(cfg.wire, cfg.wire.__doc__ or cfg.wire.__name__),
+            final_loss=self.epoch_loss[-1],
+            loss_curve=self.epoch_loss,
+            step_loss=(step_loss / world).tolist(),
+            steps=len(self.step_ms),
+            warmup_steps=warm,
+            replica_spread=float(spread.item()),
+            buckets=[{"numel": b.numel, "dtype": str(b.dtype),
+                      "params": [list(s) for s in b.param_shapes] if b.param_shapes else None}
+                     for b in buckets],
+            final_weights_rank0=flat.float().cpu() if rank == 0 else None,
+        )
+        self.ddp = self.opt = None
+        return self.row
+
+
+def train_all(configs: List[Config], args, make_model, data, device, ctx: WireContext,
+              rank: int, world: int, log) -> List[Dict[str, Any]]:
+    """Trains every configuration on the same batches, interleaved step by step (rotating which
+    goes first), so that a change in the machine's load hits all of them alike."""
+    x_tr, y_tr = data[0], data[1]
+    runs = [Run(cfg, args, make_model, device) for cfg in configs]
+    for r in runs:
+        if not r.alive:
+            log(f"  {r.cfg.name} ({r.cfg.registration}): {r.row['note']}: {r.row['error']}")
+    sampler = DistributedSampler(range(len(x_tr)), num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    step = 0
+    t0 = time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler), dtype=torch.long, device=x_tr.device)
+        for b in range(len(order) // args.batch_size):
+            idx = order[b * args.batch_size:(b + 1) * args.batch_size]
+            xb, yb = x_tr[idx], y_tr[idx]
+            live = [r for r in runs if r.alive]
+            k = step % max(1, len(live))
+            for r in live[k:] + live[:k]:
+                try:
+                    r.step(xb, yb)
+                except Exception as exc:  # report it in the table, go on with the others
+                    log(f"  {r.cfg.name} ({r.cfg.registration}) failed at step {step}:\n"
+                        + traceback.format_exc())
+                    r.fail(exc, f"failed: {type(exc).__name__}")
+            step += 1
+        for r in runs:
+            if r.alive:
+                r.end_epoch()
+        log(f"  epoch {epoch + 1}/{args.epochs}: "
+            f"{time.perf_counter() - t0:.1f} s, loss "
+            + " ".join(f"{r.epoch_loss[-1]:.3f}" for r in runs if r.alive))
+    rows = [r.finish(args, data, ctx, rank, world) if r.alive else r.row for r in runs]
+    for row in rows:
+        if row["status"] == "ok":
+            log(f"  {row['hook']:45s} {row['registration']:12s} acc "
+                f"{100 * row['test_acc']:6.2f}%  {row['ms_per_step']:7.2f} ms/step  "
+                f"{row['bytes_per_step']:>12,.0f} B/step  loss {row['final_loss']:.5f}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting (rank 0)
+# ---------------------------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    return f"{n:,.0f} B ({n / 2**20:.2f} MiB)"
+
+
+def render_markdown(rows, meta) -> str:
+    lines = [
+        f"### ddpx main job: digits MLP, {meta['world']} ranks, {meta['backend']} on "
+        f"{meta['device_type']}, torch {meta['torch']}",
+        "",
+        "| hook | registration | test acc | ms/step | bytes sent/step | final loss |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    marks: Dict[str, str] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['hook']} | {r['registration']} | {r['note']} | — | — | — |")
+            continue
+        mark = marks.setdefault(r["wire_model"], "*" * (len(marks) + 1))
+        lines.append(
+            f"| {r['hook']} | {r['registration']} | {100 * r['test_acc']:.2f}% | "
+            f"{r['ms_per_step']:.2f} | {fmt_bytes(r['bytes_per_step'])}{mark} | "
+            f"{r['final_loss']:.5f} |")
+    lines += ["", f"Model: MLP {meta['model']} ({meta['n_params']:,} parameters), DDP buckets "
+              f"(numel, dtype as DDP's Reducer built them): {meta['buckets']}; "
+              f"{meta['epochs']} epochs, batch {meta['batch_size']} per rank, "
+              f"{meta['steps_per_config']} steps per configuration, SGD lr {meta['lr']} "
+              "momentum 0.9; every configuration starts from the same weights and sees the "
+              "same data order.", ""]
+    lines.append("- test acc: the whole test set (360 images), each rank scoring its share with "
+                 "its own replica. ms/step: forward + backward (with the hook) + optimizer step, "
+                 f"median over the steps after the first {meta['warmup_steps']} (warm-up), mean "
+                 "over ranks; the configurations train interleaved, one step each in turn on "
+                 "the same batch, each step starting on all ranks together (barrier, not timed), "
+                 "so that the load of a shared machine hits all alike. "
+                 "final loss: all-rank mean training loss of the last epoch.")
+    lines.append("- bytes sent/step: bytes one rank sends per step, **a model, not a measurement**"
+                 f", summed over the buckets above (W = {meta['world']} ranks):")
+    for model_text, mark in marks.items():
+        lines.append(f"  - {mark.replace('*', chr(92) + '*')} {model_text}")
+    notes = meta.get("notes") or []
+    for n in notes:
+        lines.append(f"- {n}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
+    """Left: every configuration's all-rank training loss per step (moving average over half an
+    epoch). Right: its per-step difference from the first configuration (DDP's default)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return
+    base = torch.tensor(ok[0]["step_loss"])
+    win = max(1, steps_per_epoch // 2)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 7))
+    styles = ["-", "--", "-.", ":"]
+    for i, r in enumerate(ok):
+        loss = torch.tensor(r["step_loss"])
+        smooth = torch.nn.functional.avg_pool1d(loss[None, None], win, 1)[0, 0]
+        x = torch.arange(len(smooth)) + win
+        kw = dict(label=f"{r['hook']} ({r['registration']})", linestyle=styles[i % 4],
+                  linewidth=1.4)
+        ax.plot(x.numpy(), smooth.numpy(), **kw)
+        ax2.plot((torch.arange(len(loss)) + 1).numpy(), (loss - base).numpy(), **kw)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"step ({steps_per_epoch} per epoch)")
+    ax.set_ylabel(f"training loss, all-rank mean, moving average over {win} steps")
+    ax.set_title("digits MLP: training loss per configuration")
+    ax.grid(True, which="both", alpha=0.3)
+    ax2.set_yscale("symlog", linthresh=1e-6)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"loss minus the '{ok[0]['hook']}' loss at the same step")
+    ax2.set_title("difference from DDP's default, per step (symlog; 0 = bit-identical)")
+    ax2.grid(True, which="both", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="out", help="output folder (rank 0 writes there)")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--depth", type=int, default=2, help="hidden layers")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--only", default="", help="comma-separated substrings: run matching "
+                   "configurations only (the first configuration always runs: the baseline)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if n_gpu >= local_world and n_gpu > 0 else "gloo"
+    device = torch.device(f"cuda:{local_rank % n_gpu}") if n_gpu else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # The ranks share the machine's cores: one share each, no oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if "MASTER_ADDR" not in os.environ:  # plain `python train_digits.py`: one rank
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    data = load_digits_split(args.seed)
+    data = tuple(t.to(device) for t in data)
+    torch.manual_seed(args.seed)
+    init_state = {k: v.clone() for k, v in make_mlp(args.hidden, args.depth).to(device)
+                  .state_dict().items()}
+
+    def make_model() -> nn.Module:
+        m = make_mlp(args.hidden, args.depth).to(device)
+        m.load_state_dict(init_state)
+        return m
+
+    n_params = sum(v.numel() for v in init_state.values())
+    ctx = WireContext(world=world, backend=backend, device=device)
+    log(f"train_digits: {world} ranks, backend {backend}, device {device.type}, torch "
+        f"{torch.__version__}, {n_params:,} parameters, {len(data[0])} train / "
+        f"{len(data[2])} test images")
+
+    probe = probe_buckets(make_model, data[0], data[1], device)
+    log(f"buckets seen by a hook: {[(b['numel'], b['dtype']) for b in probe]}")
+
+    configs = CONFIGS
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        configs = [CONFIGS[0]] + [c for c in CONFIGS[1:]
+                                  if any(k in f"{c.name} {c.registration}" for k in keys)]
+    t_job = time.perf_counter()
+    rows = train_all(configs, args, make_model, data, device, ctx, rank, world, log)
+
+    if rank == 0:
+        notes = []
+        base = rows[0]
+        if base["status"] == "ok":
+            w0 = base["final_weights_rank0"]
+            for r in rows:
+                if r["status"] == "ok":
+                    r["max_abs_weight_diff_vs_baseline"] = float(
+                        (r["final_weights_rank0"] - w0).abs().max())
+            # Group the configurations whose final weights (rank 0) are bit-identical.
+            groups: List[List[Dict[str, Any]]] = []
+            for r in (r for r in rows if r["status"] == "ok"):
+                for g in groups:
+                    if torch.equal(g[0]["final_weights_rank0"], r["final_weights_rank0"]):
+                        g.append(r)
+                        break
+                else:
+                    groups.append([r])
+            name = lambda r: f"{r['hook']} ({r['registration']})"  # noqa: E731
+            same = ["{" + ", ".join(map(name, g)) + "}" for g in groups if len(g) > 1]
+            notes.append("bit-identical final weights: " + ("; ".join(same) if same else "none")
+                         + "; max |w - w(no hook)| per row in results.json")
+        unsynced = [f"{r['hook']} ({r['registration']})" for r in rows
+                    if r["status"] == "ok" and r["replica_spread"] > 0]
+        notes.append("replicas differ across ranks at the end (expected for noop only): "
+                     + (", ".join(f"{u}" for u in unsynced) if unsynced else "none"))
+        for r in rows:
+            if r["status"] != "ok":
+                notes.append(f"{r['hook']} ({r['registration']}): {r.get('error', '')}")
+        ok = [r for r in rows if r["status"] == "ok"]
+        meta = dict(
+            world=world, backend=backend, device_type=device.type, torch=torch.__version__,
+            model="64-" + "-".join([str(args.hidden)] * args.depth) + "-10",
+            n_params=n_params, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+            warmup_steps=ok[0]["warmup_steps"] if ok else args.warmup_steps,
+            steps_per_config=ok[0]["steps"] if ok else 0,
+            buckets=", ".join(f"{b['numel']:,} {b['dtype'].replace('torch.', '')}"
+                              for b in (ok[0]["buckets"] if ok else [])),
+            probe_buckets=probe, notes=notes,
+            job_wall_s=time.perf_counter() - t_job)
+        os.makedirs(args.out, exist_ok=True)
+        md = render_markdown(rows, meta)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(md)
+        for r in rows:
+            r.pop("final_weights_rank0", None)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2, default=str)
+        plot_curves(rows, os.path.join(args.out, "loss_curves.png"),
+                    meta["steps_per_config"] // max(1, args.epochs))
+        print(md, flush=True)
+        print("wrote " + ", ".join(os.path.join(args.out, f) for f in
+                                   ("results.md", "results.json", "loss_curves.png")), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
