@@ -4,6 +4,7 @@ Every hook here is a plain Python function that ``DistributedDataParallel.regist
 accepts (drop-in), and also carries the factory of its C++ object so that
 :func:`register_comm_hook` can hand that object to DDP's C++ Reducer (native path).
 """
+import atexit
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -30,6 +31,11 @@ HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 # Native hook objects built for a given (hook, state): the drop-in path reuses them across
 # buckets and iterations. The state is kept in the value so its id() stays unique.
 _native_cache: Dict[Tuple[int, int], Tuple[Any, Any, "_C.CommHook"]] = {}
+
+
+@atexit.register
+def _clear_native_cache() -> None:
+    _native_cache.clear()
 
 
 def _resolve_group(state: Any, hook_name: str) -> dist.ProcessGroup:
@@ -80,6 +86,16 @@ def native_hook(hook: HookFn, state: Any = None) -> "_C.CommHook":
             f"{getattr(hook, '__qualname__', repr(hook))}; Python hooks register with "
             "ddp_model.register_comm_hook instead"
         )
+    # Stateful hooks (PowerSGDState, ...) keep their native objects on the state itself, so that
+    # they (and the process group they hold) die with it; None / ProcessGroup states share a
+    # module cache, emptied at exit before torch tears the process groups down.
+    if hasattr(state, "__dict__"):
+        cache = state.__dict__.setdefault("_ddpx_native_hooks", {})
+        entry = cache.get(id(hook))
+        if entry is None or entry[0] is not hook:
+            entry = (hook, factory(state))
+            cache[id(hook)] = entry
+        return entry[1]
     key = (id(hook), id(state))
     entry = _native_cache.get(key)
     if entry is None or entry[0] is not hook or entry[1] is not state:

@@ -23,6 +23,21 @@ using PG = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 namespace {
 
+// Objects handed to Python may hold the last reference to a ProcessGroup. Python drops them with
+// the GIL held; ProcessGroupGloo's destructor then joins worker threads that may be waiting for
+// the GIL to finish a future's Python callback: a deadlock. Deleting without the GIL avoids it.
+template <typename T>
+std::shared_ptr<T> py_owned(T* raw) {
+  return std::shared_ptr<T>(raw, [](T* p) {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete p;
+    } else {
+      delete p;
+    }
+  });
+}
+
 // torch.dtype -> at::ScalarType, with an error naming the argument.
 at::ScalarType to_dtype(const py::handle& obj, const char* arg) {
   TORCH_CHECK_TYPE(THPDtype_Check(obj.ptr()), arg, " must be a torch.dtype, got ",
@@ -87,21 +102,22 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "allreduce_hook",
       [](const PG& pg, ExchangeMode exchange) -> CommHookPtr {
-        return std::make_shared<ddpx::hooks::AllreduceHook>(pg, exchange);
+        return py_owned<CommHook>(new ddpx::hooks::AllreduceHook(pg, exchange));
       },
       py::arg("process_group"), py::arg("exchange") = ExchangeMode::kAuto,
       "Native allreduce_hook over `process_group`.");
   m.def(
       "compress_hook",
       [](const PG& pg, const py::object& dtype, ExchangeMode exchange) -> CommHookPtr {
-        return std::make_shared<ddpx::hooks::CompressHook>(pg, to_dtype(dtype, "dtype"), exchange);
+        return py_owned<CommHook>(
+            new ddpx::hooks::CompressHook(pg, to_dtype(dtype, "dtype"), exchange));
       },
       py::arg("process_group"), py::arg("dtype"), py::arg("exchange") = ExchangeMode::kAuto,
       "Native fp16/bf16_compress_hook over `process_group` (dtype torch.float16/bfloat16).");
   m.def(
       "compress_wrapper",
       [](const CommHookPtr& hook, const py::object& dtype) -> CommHookPtr {
-        return std::make_shared<ddpx::hooks::CompressWrapper>(hook, to_dtype(dtype, "dtype"));
+        return py_owned<CommHook>(new ddpx::hooks::CompressWrapper(hook, to_dtype(dtype, "dtype")));
       },
       py::arg("hook"), py::arg("dtype"), "Native fp16/bf16_compress_wrapper around `hook`.");
   m.def("noop_hook", &ddpx::hooks::noop_hook, "Native noop_hook.");
@@ -125,7 +141,10 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PowerSGDState, std::shared_ptr<PowerSGDState>>(
       m, "PowerSGDState", "Native PowerSGD state (see ddpx.hooks.PowerSGDState).")
-      .def(py::init<PG, PowerSGDOptions, std::function<void(const std::string&)>>(),
+      .def(py::init([](const PG& pg, const PowerSGDOptions& options,
+                       std::function<void(const std::string&)> logger) {
+             return py_owned(new PowerSGDState(pg, options, std::move(logger)));
+           }),
            py::arg("process_group"), py::arg("options"), py::arg("logger") = nullptr)
       .def_property_readonly("options", &PowerSGDState::options)
       .def("set_options", &PowerSGDState::set_options, py::arg("options"))
@@ -170,7 +189,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "powersgd_hook",
       [](const std::shared_ptr<PowerSGDState>& state, bool batched) -> CommHookPtr {
-        return std::make_shared<ddpx::hooks::PowerSGDHook>(state, batched);
+        return py_owned<CommHook>(new ddpx::hooks::PowerSGDHook(state, batched));
       },
       py::arg("state"), py::arg("batched") = false,
       "Native powerSGD_hook (batched=False) or batched_powerSGD_hook (batched=True).");
