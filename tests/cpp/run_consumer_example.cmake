@@ -1,0 +1,63 @@
+# ctest cpp_consumer_example: install this build of ddpx, build examples/cpp against the installed
+# package with find_package(ddpx), run the program. Usage (see tests/cpp/CMakeLists.txt):
+#   cmake -DDDPX_BUILD_DIR=... -DDDPX_EXAMPLE_SOURCE_DIR=... [-DDDPX_GENERATOR=Ninja]
+#         [-DDDPX_MAKE_PROGRAM=...] [-DDDPX_CXX_COMPILER=...] [-DDDPX_CCACHE=...]
+#         [-DDDPX_TORCH_DIR=...] [-DDDPX_BUILD_TYPE=...] -P run_consumer_example.cmake
+cmake_minimum_required(VERSION 3.19)  # COMMAND_ERROR_IS_FATAL
+
+foreach(_var DDPX_BUILD_DIR DDPX_EXAMPLE_SOURCE_DIR)
+  if(NOT DEFINED ${_var} OR "${${_var}}" STREQUAL "")
+    message(FATAL_ERROR "run_consumer_example.cmake: ${_var} is required")
+  endif()
+endforeach()
+if(NOT DDPX_GENERATOR)
+  set(DDPX_GENERATOR Ninja)
+endif()
+
+set(_prefix "${DDPX_BUILD_DIR}/_install")
+set(_build "${DDPX_BUILD_DIR}/_example")
+
+# 1. Install exactly what a user would get.
+file(REMOVE_RECURSE "${_prefix}")
+execute_process(COMMAND "${CMAKE_COMMAND}" --install "${DDPX_BUILD_DIR}" --prefix "${_prefix}"
+  OUTPUT_QUIET COMMAND_ERROR_IS_FATAL ANY)
+message(STATUS "installed ddpx into ${_prefix}")
+
+# 2. Configure the example against the installed package only (plus torch's own prefix, which
+#    a user provides the same way).
+set(_prefix_path "${_prefix}")
+set(_args -S "${DDPX_EXAMPLE_SOURCE_DIR}" -B "${_build}" -G "${DDPX_GENERATOR}")
+if(DDPX_TORCH_DIR)
+  list(APPEND _args "-DTorch_DIR=${DDPX_TORCH_DIR}")
+endif()
+if(DDPX_MAKE_PROGRAM)
+  list(APPEND _args "-DCMAKE_MAKE_PROGRAM=${DDPX_MAKE_PROGRAM}")
+endif()
+if(DDPX_CXX_COMPILER)
+  list(APPEND _args "-DCMAKE_CXX_COMPILER=${DDPX_CXX_COMPILER}")
+endif()
+if(DDPX_CCACHE)
+  list(APPEND _args "-DCMAKE_CXX_COMPILER_LAUNCHER=${DDPX_CCACHE}")
+endif()
+if(DDPX_BUILD_TYPE)
+  list(APPEND _args "-DCMAKE_BUILD_TYPE=${DDPX_BUILD_TYPE}")
+endif()
+# A stale cache from another prefix would hide a broken package: start clean.
+file(REMOVE "${_build}/CMakeCache.txt")
+execute_process(COMMAND "${CMAKE_COMMAND}" ${_args} "-DCMAKE_PREFIX_PATH=${_prefix_path}"
+  -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON
+  OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "configuring examples/cpp against ${_prefix} failed:\n${_out}\n${_err}")
+endif()
+
+# 3. Build (two jobs: the CI machine has two cores) and run.
+execute_process(COMMAND "${CMAKE_COMMAND}" --build "${_build}" --parallel 2
+  OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "building examples/cpp failed:\n${_out}\n${_err}")
+endif()
+execute_process(COMMAND "${_build}/ddpx_cpp_example" RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "ddpx_cpp_example failed (exit status ${_rc})")
+endif()

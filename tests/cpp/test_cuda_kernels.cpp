@@ -1,0 +1,279 @@
+// Tests of the CUDA kernels in <ddpx/compression/kernels_cuda.h> against the CPU kernels, bit for
+// bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical NaNs).
+// Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
+#include <cuda_runtime_api.h>
+#include <ddpx/compression/kernels.h>
+#include <ddpx/compression/kernels_cuda.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+namespace k = ddpx::kernels;
+using k::DType;
+
+// True when at least one CUDA device is usable; otherwise says why in *why.
+bool cuda_device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+    (void)cudaGetLastError();  // clear the sticky-free error state
+    return false;
+  }
+  if (count == 0) {
+    *why = "cudaGetDeviceCount returned 0";
+    return false;
+  }
+  return true;
+}
+
+#define DDPX_SKIP_WITHOUT_GPU()                              \
+  do {                                                       \
+    std::string why_;                                        \
+    if (!cuda_device_available(&why_)) GTEST_SKIP() << why_; \
+  } while (0)
+
+#define DDPX_ASSERT_CUDA(expr)                                                 \
+  do {                                                                         \
+    const cudaError_t err_ = (expr);                                           \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
+  } while (0)
+
+// Device allocation freed on scope exit.
+struct DeviceBuffer {
+  explicit DeviceBuffer(size_t bytes) : bytes(bytes) {
+    if (cudaMalloc(&ptr, bytes ? bytes : 1) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* ptr = nullptr;
+  size_t bytes;
+};
+
+size_t esize(DType t) { return k::dtype_size(t); }
+
+uint64_t element_bits(const std::vector<unsigned char>& buf, DType t, int64_t i) {
+  uint64_t u = 0;
+  std::memcpy(&u, buf.data() + i * esize(t), esize(t));
+  return u;
+}
+
+bool element_is_nan(uint64_t u, DType t) {
+  switch (t) {
+    case DType::kFloat32: {
+      float f;
+      const uint32_t b = static_cast<uint32_t>(u);
+      std::memcpy(&f, &b, 4);
+      return std::isnan(f);
+    }
+    case DType::kFloat64: {
+      double d;
+      std::memcpy(&d, &u, 8);
+      return std::isnan(d);
+    }
+    case DType::kFloat16:
+      return (u & 0x7C00u) == 0x7C00u && (u & 0x03FFu) != 0;
+    case DType::kBFloat16:
+      return (u & 0x7F80u) == 0x7F80u && (u & 0x007Fu) != 0;
+  }
+  return false;
+}
+
+// Host values: mostly sign * U[1,2) * 2^e, e in [-30, 20] (fp16 overflow, subnormals and
+// underflow included), ~5% specials. `negative_zero` off for sum_rows: the CPU kernel starts
+// its fp32 accumulator from row 0, the CUDA kernel from +0.0, so an all-(-0.0) column sums to
+// -0.0 on one and +0.0 on the other (reported; everything else must match).
+std::vector<unsigned char> random_host(DType t, int64_t n, uint64_t seed, bool negative_zero) {
+  std::vector<unsigned char> buf(static_cast<size_t>(n) * esize(t));
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> mant(1.0, 2.0);
+  std::uniform_int_distribution<int> expo(-30, 20);
+  std::uniform_int_distribution<int> pick(0, 99);
+  const double inf = std::numeric_limits<double>::infinity();
+  const double specials[] = {0.0,   -0.0,    inf,     -inf, std::nan(""), 65504.0, 65520.0,
+                             1e-40, 0x1p-24, 0x1p-25, 3e38, -1e300,       1e-310};
+  const int n_special = sizeof(specials) / sizeof(specials[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    const int p = pick(gen);
+    double v = p < 5 ? specials[(p * 5 + i) % n_special]
+                     : (p % 2 ? -1.0 : 1.0) * std::ldexp(mant(gen), expo(gen));
+    if (!negative_zero && v == 0.0) v = 0.0;  // drops the sign of -0.0
+    unsigned char* dst = buf.data() + i * esize(t);
+    switch (t) {
+      case DType::kFloat32: {
+        const float f = static_cast<float>(v);
+        std::memcpy(dst, &f, 4);
+        break;
+      }
+      case DType::kFloat64:
+        std::memcpy(dst, &v, 8);
+        break;
+      case DType::kFloat16: {
+        uint16_t h = k::float_to_half_bits(static_cast<float>(v));
+        if (!negative_zero && h == 0x8000u) h = 0;
+        std::memcpy(dst, &h, 2);
+        break;
+      }
+      case DType::kBFloat16: {
+        uint16_t h = k::float_to_bf16_bits(static_cast<float>(v));
+        if (!negative_zero && h == 0x8000u) h = 0;
+        std::memcpy(dst, &h, 2);
+        break;
+      }
+    }
+  }
+  return buf;
+}
+
+std::string hex(uint64_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+void expect_bitwise(const std::vector<unsigned char>& gpu, const std::vector<unsigned char>& cpu,
+                    DType t, int64_t n, const std::string& what) {
+  int64_t bad = 0;
+  std::string examples;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t g = element_bits(gpu, t, i), c = element_bits(cpu, t, i);
+    const bool ok = element_is_nan(c, t) ? element_is_nan(g, t) : g == c;
+    if (!ok && bad++ < 8) {
+      examples += "  [" + std::to_string(i) + "] gpu " + hex(g) + " cpu " + hex(c) + "\n";
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " mismatches, e.g.\n" << examples;
+}
+
+using CudaParam = std::tuple<DType, DType, int64_t>;
+
+class CudaKernelTest : public ::testing::TestWithParam<CudaParam> {
+ protected:
+  DType src_t() const { return std::get<0>(GetParam()); }
+  DType dst_t() const { return std::get<1>(GetParam()); }
+  int64_t n() const { return std::get<2>(GetParam()); }
+  uint64_t seed() const {
+    return static_cast<uint64_t>(src_t()) * 7919 + static_cast<uint64_t>(dst_t()) * 104729 +
+           static_cast<uint64_t>(n());
+  }
+};
+
+using ScaledCastCuda = CudaKernelTest;
+using SumRowsCuda = CudaKernelTest;
+
+// Offsets of one element make the pointers misaligned for the vectorised path.
+TEST_P(ScaledCastCuda, MatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const int64_t count = n();
+  const auto src = random_host(src_t(), count, seed(), /*negative_zero=*/true);
+  cudaStream_t stream;
+  DDPX_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceBuffer d_src((count + 1) * esize(src_t())), d_dst((count + 1) * esize(dst_t()));
+  ASSERT_TRUE(d_src.ptr && d_dst.ptr);
+  for (int src_off : {0, 1}) {
+    for (int dst_off : {0, 1}) {
+      char* s = static_cast<char*>(d_src.ptr) + src_off * esize(src_t());
+      char* d = static_cast<char*>(d_dst.ptr) + dst_off * esize(dst_t());
+      DDPX_ASSERT_CUDA(cudaMemcpy(s, src.data(), src.size(), cudaMemcpyHostToDevice));
+      for (float scale : {1.0f, 1.0f / 3.0f, -0.25f}) {
+        std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
+        k::scaled_cast_cpu(src.data(), src_t(), cpu.data(), dst_t(), count, scale);
+        DDPX_ASSERT_CUDA(cudaMemsetAsync(d, 0xA5, count * esize(dst_t()), stream));
+        k::scaled_cast_cuda(s, src_t(), d, dst_t(), count, scale, stream);
+        DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream));
+        DDPX_ASSERT_CUDA(cudaMemcpy(gpu.data(), d, gpu.size(), cudaMemcpyDeviceToHost));
+        expect_bitwise(gpu, cpu, dst_t(), count,
+                       std::string("scaled_cast ") + k::dtype_name(src_t()) + "->" +
+                           k::dtype_name(dst_t()) + " n=" + std::to_string(count) + " offsets " +
+                           std::to_string(src_off) + "/" + std::to_string(dst_off) + " scale " +
+                           std::to_string(scale));
+      }
+    }
+  }
+  DDPX_ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST_P(SumRowsCuda, MatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const int64_t count = n();
+  cudaStream_t stream;
+  DDPX_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int64_t rows : {1, 2, 3, 4, 8}) {
+    const auto src = random_host(src_t(), rows * count, seed() * 31 + rows,
+                                 /*negative_zero=*/false);
+    DeviceBuffer d_src((rows * count + 1) * esize(src_t())), d_dst((count + 1) * esize(dst_t()));
+    ASSERT_TRUE(d_src.ptr && d_dst.ptr);
+    for (int off : {0, 1}) {
+      char* s = static_cast<char*>(d_src.ptr) + off * esize(src_t());
+      char* d = static_cast<char*>(d_dst.ptr) + off * esize(dst_t());
+      DDPX_ASSERT_CUDA(cudaMemcpy(s, src.data(), src.size(), cudaMemcpyHostToDevice));
+      for (float scale : {1.0f, 1.0f / 3.0f}) {
+        std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
+        k::sum_rows_cpu(src.data(), src_t(), rows, count, cpu.data(), dst_t(), scale);
+        k::sum_rows_cuda(s, src_t(), rows, count, d, dst_t(), scale, stream);
+        DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream));
+        DDPX_ASSERT_CUDA(cudaMemcpy(gpu.data(), d, gpu.size(), cudaMemcpyDeviceToHost));
+        expect_bitwise(gpu, cpu, dst_t(), count,
+                       std::string("sum_rows ") + k::dtype_name(src_t()) + "->" +
+                           k::dtype_name(dst_t()) + " n=" + std::to_string(count) +
+                           " rows=" + std::to_string(rows) + " offset " + std::to_string(off) +
+                           " scale " + std::to_string(scale));
+      }
+    }
+  }
+  DDPX_ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
+const int64_t kSizes[] = {1, 7, 2047, 2048, 2049, 100003, (int64_t{1} << 20) + 3};
+
+std::string cuda_param_name(const ::testing::TestParamInfo<CudaParam>& info) {
+  return std::string(k::dtype_name(std::get<0>(info.param))) + "_to_" +
+         k::dtype_name(std::get<1>(info.param)) + "_n" + std::to_string(std::get<2>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPairs, ScaledCastCuda,
+                         ::testing::Combine(::testing::ValuesIn(kAllDTypes),
+                                            ::testing::ValuesIn(kAllDTypes),
+                                            ::testing::ValuesIn(kSizes)),
+                         cuda_param_name);
+INSTANTIATE_TEST_SUITE_P(AllPairs, SumRowsCuda,
+                         ::testing::Combine(::testing::ValuesIn(kAllDTypes),
+                                            ::testing::ValuesIn(kAllDTypes),
+                                            ::testing::ValuesIn(kSizes)),
+                         cuda_param_name);
+
+// n == 0 launches nothing and writes nothing; bad arguments raise before any launch.
+TEST(CudaKernelApi, EmptyAndBadArguments) {
+  DDPX_SKIP_WITHOUT_GPU();
+  DeviceBuffer d(64);
+  ASSERT_TRUE(d.ptr);
+  DDPX_ASSERT_CUDA(cudaMemset(d.ptr, 0x5A, 64));
+  k::scaled_cast_cuda(d.ptr, DType::kFloat32, d.ptr, DType::kFloat32, 0, 2.0f, nullptr);
+  k::sum_rows_cuda(d.ptr, DType::kFloat32, 1, 0, d.ptr, DType::kFloat32, 2.0f, nullptr);
+  DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<unsigned char> host(64);
+  DDPX_ASSERT_CUDA(cudaMemcpy(host.data(), d.ptr, 64, cudaMemcpyDeviceToHost));
+  for (unsigned char b : host) ASSERT_EQ(b, 0x5A);
+  EXPECT_THROW(
+      k::sum_rows_cuda(d.ptr, DType::kFloat32, 0, 4, d.ptr, DType::kFloat32, 1.0f, nullptr),
+      std::invalid_argument);
+  EXPECT_THROW(
+      k::scaled_cast_cuda(d.ptr, static_cast<DType>(9), d.ptr, DType::kFloat32, 4, 1.0f, nullptr),
+      std::invalid_argument);
+}
+
+}  // namespace
