@@ -1,0 +1,122 @@
+"""CUDA: the kernels on CUDA tensors, and the DDP differential tests on a CUDA model, with NCCL
+(world size 1: NCCL refuses two ranks on one GPU) and with Gloo on CUDA tensors (2 ranks on the
+one GPU). Skipped without a GPU, or when ddpx was built without its CUDA kernels.
+"""
+import functools
+
+import pytest
+import torch
+
+import ddp_cases as dc
+import ddpx
+from dist_utils import run_ranks
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not ddpx._C.with_cuda, reason="ddpx was built without CUDA kernels"),
+]
+C = ddpx._C
+HALF_TYPES = [torch.float16, torch.bfloat16]
+
+
+def bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(got, expected):
+    got, expected = got.cpu(), expected.cpu()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(bits(got)[~nan], bits(expected)[~nan])
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 100003])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+def test_cuda_scaled_cast(dtype, scale, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.pow(10.0, torch.empty(n).uniform_(-9, 6, generator=g)) * (
+        torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+    x_cuda = x.cuda()
+    got = C.scaled_cast(x_cuda, dtype, scale)
+    assert got.is_cuda
+    assert_same_bits(got, (x_cuda * scale).to(dtype))  # torch's CUDA conversion
+    assert_same_bits(got, C.scaled_cast(x, dtype, scale))  # the CPU kernel
+    assert_same_bits(C.scaled_cast(got, torch.float32, 1.0), got.float())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("src", HALF_TYPES, ids=str)
+def test_cuda_sum_rows(src, rows):
+    x = (torch.randn(rows, 100003, generator=torch.Generator().manual_seed(rows)) * 100).to(src)
+    for out in (torch.float32, src):
+        for scale in (1.0, 1 / 3):
+            got = C.sum_rows(x.cuda(), out, scale)
+            assert got.is_cuda
+            assert_same_bits(got, C.sum_rows(x, out, scale))  # same arithmetic as the CPU
+
+
+# ---- DDP on CUDA ---------------------------------------------------------------------------------
+
+NCCL_CONFIGS = dc.all_configs(
+    torch_names=("torch_none", "torch_allreduce", "torch_fp16", "torch_fp16_wrap",
+                 "torch_bf16", "torch_bf16_wrap"))
+GLOO_CONFIGS = dc.all_configs(
+    torch_names=("torch_none", "torch_allreduce", "torch_fp16", "torch_fp16_wrap"))
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_grads(backend: str):
+    if backend == "nccl":
+        return run_ranks(dc.rank_grads, 1, args=(NCCL_CONFIGS, 3), backend="nccl",
+                         kwargs={"device": "cuda:0"}, timeout=300)
+    return run_ranks(dc.rank_grads, 2, args=(GLOO_CONFIGS, 3), backend="gloo",
+                     kwargs={"device": "cuda:0"}, timeout=300)
+
+
+def check_against_closed_forms(res):
+    world_size = len(res)
+    for it in range(3):
+        local = [r["local"][it] for r in res]
+        for mode in dc.MODES:
+            for r in range(world_size):
+                assert torch.equal(res[r][f"ddpx_allreduce_{mode}"][it],
+                                   res[r]["torch_allreduce"][it]), (mode, r, it)
+                assert torch.equal(res[r][f"ddpx_noop_{mode}"][it], local[r])
+            for name, dtype16 in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+                got = res[0][f"ddpx_{name}_{mode}"][it]
+                assert torch.equal(got, dc.ref_compress_hook(local, dtype16)), (name, mode, it)
+                got = res[0][f"ddpx_{name}_wrap_{mode}"][it]
+                assert torch.equal(got, dc.ref_compress_wrapper_allreduce(local, dtype16))
+            bound = dc.fp16_vs_torch_bound(local)
+            diff = (res[0][f"ddpx_fp16_{mode}"][it].double()
+                    - res[0]["torch_fp16"][it].double()).abs()
+            assert (diff <= bound).all(), (mode, it)
+
+
+def test_nccl_world_size_1():
+    """One rank: every hook is its compression round trip; torch's hooks (bf16 included, which
+    torch accepts on NCCL) do the same operations, so ddpx equals them bit for bit."""
+    res = cuda_grads("nccl")
+    check_against_closed_forms(res)
+    r = res[0]
+    for it in range(3):
+        for mode in dc.MODES:
+            for name in ("fp16", "bf16"):
+                assert torch.equal(r[f"ddpx_{name}_{mode}"][it], r[f"torch_{name}"][it])
+                assert torch.equal(r[f"ddpx_{name}_wrap_{mode}"][it], r[f"torch_{name}_wrap"][it])
+            assert torch.equal(r[f"ddpx_allreduce_{mode}"][it], r["torch_none"][it])
+            assert torch.equal(r[f"ddpx_allreduce_{mode}"][it], r["local"][it])
+
+
+def test_gloo_on_cuda_tensors():
+    """Two Gloo ranks sharing the GPU: the 16-bit values are allgathered from CUDA memory and
+    summed by the CUDA kernel, with the CPU closed forms' results."""
+    res = cuda_grads("gloo")
+    check_against_closed_forms(res)
+    for it in range(3):
+        assert torch.equal(res[0]["ddpx_allreduce_native"][it], res[0]["torch_none"][it])
+        assert not torch.equal(res[0]["ddpx_noop_native"][it], res[1]["ddpx_noop_native"][it])

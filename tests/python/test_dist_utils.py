@@ -1,0 +1,70 @@
+"""The harness itself: results come back in rank order, a rank's exception or crash becomes a
+test failure with its traceback, and a hang becomes a timeout instead of a stuck suite."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import RankError, RankTimeout, free_port, run_ranks
+
+
+def rank_sum(rank, world_size, offset):
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t}
+
+
+def rank_raises_on_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()  # rank 0 waits in a collective that never completes
+
+
+def rank_crashes_on_0(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def rank_hangs(rank, world_size):
+    time.sleep(3600)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_results_in_rank_order(world_size):
+    res = run_ranks(rank_sum, world_size, args=(10,))
+    expected_sum = sum(10.0 + r for r in range(world_size))
+    assert [r["rank"] for r in res] == list(range(world_size))
+    assert all(r["world"] == world_size for r in res)
+    assert all(r["sum"].item() == expected_sum for r in res)
+
+
+def test_exception_on_one_rank_fails_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(rank_raises_on_1, 2, timeout=60)
+    msg = str(info.value)
+    assert "--- rank 1 ---" in msg and "ValueError: boom from rank 1" in msg
+    assert "rank_raises_on_1" in msg  # the traceback, not just the message
+    assert time.monotonic() - start < 30  # the blocked rank 0 was killed, not waited for
+
+
+def test_crash_fails():
+    with pytest.raises(RankError, match="rank 0 exited with code 3"):
+        run_ranks(rank_crashes_on_0, 2, timeout=60)
+
+
+def test_hang_times_out():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match="did not finish within 2 s"):
+        run_ranks(rank_hangs, 2, timeout=2)
+    assert time.monotonic() - start < 15
+
+
+def test_free_port_is_bindable():
+    import socket
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

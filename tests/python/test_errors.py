@@ -1,0 +1,217 @@
+"""Bad inputs: each must fail with the right exception type and a message that says what is
+wrong, at registration where possible, and leave the DDP model usable when registration
+failed. One launch of 2 ranks runs every distributed case; the tests read its record.
+"""
+import functools
+from typing import Callable, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_cases as dc
+import ddpx
+from dist_utils import run_ranks
+
+WORLD_SIZE = 2
+
+
+def _catch(fn: Callable[[], object]) -> Optional[Tuple[str, str]]:
+    """(exception type name, message) of what fn raised, or None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _backward(ddp, rank):
+    dc.loss_fn(ddp, *dc.make_batch(rank, 0)).backward()
+
+
+def rank_errors(rank: int, world_size: int):
+    out = {}
+
+    # -- a second hook, by either path, is refused by DDP's Reducer -------------------------
+    ddp = dc.make_ddp(dc.make_model(), "ddpx_allreduce_dropin")
+    out["dropin_then_native"] = _catch(
+        lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.fp16_compress_hook))
+    ddp = dc.make_ddp(dc.make_model(), "ddpx_allreduce_native")
+    out["native_then_native"] = _catch(
+        lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.fp16_compress_hook))
+    out["native_then_dropin"] = _catch(
+        lambda: ddp.register_comm_hook(None, ddpx.hooks.fp16_compress_hook))
+    # The first hook stays in charge: the gradients are allreduce's, not fp16's.
+    _backward(ddp, rank)
+    out["grads_after_refused_second_hook"] = dc.flat_grad(ddp)
+    ref = dc.make_ddp(dc.make_model(), "torch_allreduce")
+    _backward(ref, rank)
+    out["grads_torch_allreduce"] = dc.flat_grad(ref)
+
+    # -- registration refused before anything is installed ------------------------------------
+    ddp = dc.make_ddp(dc.make_model(), "torch_none")
+    out["torch_hook_natively"] = _catch(
+        lambda: ddpx.register_comm_hook(ddp, None, torch_hooks.allreduce_hook))
+    out["python_fn_natively"] = _catch(
+        lambda: ddpx.register_comm_hook(ddp, None, lambda state, bucket: None))
+    out["state_not_pg_native"] = _catch(
+        lambda: ddpx.register_comm_hook(ddp, "group", ddpx.hooks.allreduce_hook))
+    out["non_ddp_model"] = _catch(
+        lambda: ddpx.register_comm_hook(dc.make_model(), None, ddpx.hooks.allreduce_hook))
+    out["C_hook_none"] = _catch(lambda: ddpx._C.register_comm_hook(ddp.reducer, None))
+    # ... so a valid hook can still be registered afterwards, and works.
+    out["register_after_refusals"] = _catch(
+        lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.allreduce_hook))
+    _backward(ddp, rank)
+    out["grads_after_refusals"] = dc.flat_grad(ddp)
+
+    # -- errors the C++ constructors raise ----------------------------------------------------
+    out["compress_hook_fp32"] = _catch(
+        lambda: ddpx._C.compress_hook(dist.group.WORLD, torch.float32))
+    out["compress_wrapper_fp64"] = _catch(
+        lambda: ddpx._C.compress_wrapper(ddpx.hooks.native_hook(ddpx.hooks.allreduce_hook),
+                                         torch.float64))
+    out["compress_hook_dtype_not_dtype"] = _catch(
+        lambda: ddpx._C.compress_hook(dist.group.WORLD, "float16"))
+
+    # -- errors raised while the hook runs, i.e. from backward() -------------------------------
+    # torch accepts any state object; ddpx's drop-in hook checks it when it first runs.
+    ddp = dc.make_ddp(dc.make_model(), "torch_none")
+    ddp.register_comm_hook(42, ddpx.hooks.fp16_compress_hook)
+    loss = dc.loss_fn(ddp, *dc.make_batch(rank, 0))
+    out["state_not_pg_dropin_backward"] = _catch(loss.backward)
+
+    for mode in dc.MODES:
+        torch.manual_seed(0)
+        emb = DDP(nn.Embedding(10, 4, sparse=True))
+        if mode == "dropin":
+            emb.register_comm_hook(None, ddpx.hooks.fp16_compress_hook)
+        else:
+            ddpx.register_comm_hook(emb, None, ddpx.hooks.fp16_compress_hook)
+        loss = emb(torch.tensor([1, 2, 2 + rank])).sum()  # the forward pass is fine
+        out[f"sparse_{mode}_backward"] = _catch(loss.backward)
+        dist.barrier()
+
+    # A bucket that is not floating point: DDP never builds one (integer tensors cannot require
+    # grad, and 1.13's DDP cannot even broadcast complex parameters), so a Python hook hands
+    # the C++ hook a real GradBucket whose buffer it replaced by an int32 tensor.
+    def int_bucket_hook(state, bucket):
+        bucket.set_buffer(bucket.buffer().to(torch.int32))
+        return ddpx.hooks.native_hook(ddpx.hooks.allreduce_hook, state).run(bucket).then(
+            lambda fut: fut.value())
+
+    ddp = dc.make_ddp(dc.make_model(), "torch_none")
+    ddp.register_comm_hook(None, int_bucket_hook)
+    loss = dc.loss_fn(ddp, *dc.make_batch(rank, 0))
+    out["int_bucket_backward"] = _catch(loss.backward)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def record():
+    return run_ranks(rank_errors, WORLD_SIZE)
+
+
+def check(case: str, exc_type: str, *needles: str):
+    for r, rank_record in enumerate(record()):
+        got = rank_record[case]
+        assert got is not None, f"{case}: nothing was raised on rank {r}"
+        name, msg = got
+        assert name == exc_type, (case, r, got)
+        for needle in needles:
+            assert needle in msg, (case, r, needle, msg)
+
+
+ONCE = "can only be called once"
+
+
+@pytest.mark.parametrize("case", ["dropin_then_native", "native_then_native",
+                                  "native_then_dropin"])
+def test_second_registration_is_refused(case):
+    check(case, "RuntimeError", ONCE)
+
+
+def test_refused_second_hook_leaves_the_first_in_charge():
+    for rank_record in record():
+        assert torch.equal(rank_record["grads_after_refused_second_hook"],
+                           rank_record["grads_torch_allreduce"])
+
+
+@pytest.mark.parametrize("case", ["torch_hook_natively", "python_fn_natively"])
+def test_native_registration_needs_a_ddpx_hook(case):
+    check(case, "TypeError", "ddpx hook", "ddp_model.register_comm_hook")
+
+
+def test_native_state_must_be_a_process_group():
+    check("state_not_pg_native", "TypeError", "ProcessGroup", "str")
+
+
+def test_dropin_state_must_be_a_process_group():
+    """Drop-in: torch stores any state; the ddpx hook's TypeError surfaces from backward()
+    (as DDP's RuntimeError, carrying the TypeError's text)."""
+    check("state_not_pg_dropin_backward", "RuntimeError", "TypeError",
+          "state must be a torch.distributed.ProcessGroup or None", "int")
+
+
+def test_non_ddp_model_is_refused():
+    check("non_ddp_model", "TypeError", "DistributedDataParallel", "Sequential")
+
+
+def test_C_register_refuses_none():
+    check("C_hook_none", "RuntimeError", "hook must not be None")
+
+
+def test_refused_registrations_install_nothing():
+    """After all those refusals, a valid registration works and gives allreduce's gradients."""
+    for rank_record in record():
+        assert rank_record["register_after_refusals"] is None
+        assert torch.equal(rank_record["grads_after_refusals"],
+                           rank_record["grads_torch_allreduce"])
+
+
+def test_compress_dtypes_are_checked():
+    check("compress_hook_fp32", "RuntimeError", "torch.float16 or torch.bfloat16", "Float")
+    check("compress_wrapper_fp64", "RuntimeError", "torch.float16 or torch.bfloat16", "Double")
+    check("compress_hook_dtype_not_dtype", "TypeError", "dtype must be a torch.dtype")
+
+
+@pytest.mark.parametrize("mode", dc.MODES)
+def test_sparse_gradients_are_refused_in_backward(mode):
+    """nn.Embedding(sparse=True): DDP hands the hook a sparse bucket during backward; the hook
+    refuses it and DDP raises a RuntimeError from backward(), on every rank."""
+    check(f"sparse_{mode}_backward", "RuntimeError", "sparse", "fp16_compress_hook")
+
+
+def test_non_floating_bucket_is_refused():
+    check("int_bucket_backward", "RuntimeError", "floating-point", "Int")
+
+
+# ---- no process group needed -------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrapper", [ddpx.hooks.fp16_compress_wrapper,
+                                     ddpx.hooks.bf16_compress_wrapper])
+@pytest.mark.parametrize("inner", [torch_hooks.allreduce_hook, lambda state, bucket: None],
+                         ids=["torch_allreduce_hook", "lambda"])
+def test_wrapper_needs_a_ddpx_hook(wrapper, inner):
+    with pytest.raises(TypeError, match="ddpx hook"):
+        wrapper(inner)
+
+
+@pytest.mark.parametrize("state", ["group", 3, object()])
+def test_native_hook_state_type(state):
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        ddpx.hooks.native_hook(ddpx.hooks.fp16_compress_hook, state)
+
+
+def test_default_group_needs_init():
+    assert not dist.is_initialized()  # the ranks run in their own processes
+    with pytest.raises(RuntimeError, match="not initialized"):
+        ddpx.hooks.native_hook(ddpx.hooks.allreduce_hook, None)
+
+
+def test_noop_needs_no_group():
+    hook = ddpx.hooks.native_hook(ddpx.hooks.noop_hook, None)
+    assert hook.name == "noop_hook"
