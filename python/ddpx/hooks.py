@@ -96,10 +96,13 @@ def native_hook(hook: HookFn, state: Any = None) -> "_C.CommHook":
             entry = (hook, factory(state))
             cache[id(hook)] = entry
         return entry[1]
-    key = (id(hook), id(state))
+    # None means "the default group at call time": key by the group it resolves to now, so that a
+    # re-initialised default group gets a fresh native hook.
+    group = dist.group.WORLD if state is None and dist.is_initialized() else state
+    key = (id(hook), id(group))
     entry = _native_cache.get(key)
-    if entry is None or entry[0] is not hook or entry[1] is not state:
-        entry = (hook, state, factory(state))
+    if entry is None or entry[0] is not hook or entry[1] is not group:
+        entry = (hook, group, factory(state))
         _native_cache[key] = entry
     return entry[2]
 

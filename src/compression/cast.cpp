@@ -65,13 +65,13 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
 #ifdef DDPX_WITH_CUDA
     c10::cuda::CUDAGuard guard(src.device());
     kernels::scaled_cast_cuda(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(),
-                              static_cast<float>(scale),
+                              scale,
                               at::cuda::getCurrentCUDAStream(src.device().index()).stream());
 #endif
     return;
   }
   kernels::scaled_cast_cpu(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(),
-                           static_cast<float>(scale));
+                           scale);
 }
 
 void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
@@ -87,13 +87,13 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
 #ifdef DDPX_WITH_CUDA
     c10::cuda::CUDAGuard guard(src.device());
     kernels::sum_rows_cuda(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt,
-                           static_cast<float>(scale),
+                           scale,
                            at::cuda::getCurrentCUDAStream(src.device().index()).stream());
 #endif
     return;
   }
   kernels::sum_rows_cpu(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt,
-                        static_cast<float>(scale));
+                        scale);
 }
 
 }  // namespace ddpx

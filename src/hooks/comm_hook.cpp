@@ -7,21 +7,7 @@ namespace ddpx {
 namespace hooks {
 
 at::Tensor CommHook::parseHookResult(const c10::IValue& result) {
-  if (result.isTensor()) return result.toTensor();
-  if (result.isTensorList()) {
-    auto list = result.toTensorList();
-    TORCH_CHECK(list.size() == 1, name(), ": expected a future holding one tensor, got ",
-                list.size());
-    return list.get(0);
-  }
-  if (result.isList()) {
-    auto list = result.toListRef();
-    TORCH_CHECK(list.size() == 1 && list[0].isTensor(), name(),
-                ": expected a future holding one tensor");
-    return list[0].toTensor();
-  }
-  TORCH_CHECK(false, name(), ": expected the hook's future to hold a Tensor, got ",
-              result.tagKind());
+  return detail::parse_hook_result(result, name());
 }
 
 SharedCommHook::SharedCommHook(CommHookPtr hook) : hook_(std::move(hook)) {
@@ -37,6 +23,24 @@ at::Tensor SharedCommHook::parseHookResult(const c10::IValue& result) {
 }
 
 namespace detail {
+
+at::Tensor parse_hook_result(const c10::IValue& result, const std::string& hook_name) {
+  if (result.isTensor()) return result.toTensor();
+  if (result.isTensorList()) {
+    auto list = result.toTensorList();
+    TORCH_CHECK(list.size() == 1, hook_name, ": expected a future holding one tensor, got ",
+                list.size());
+    return list.get(0);
+  }
+  if (result.isList()) {
+    auto list = result.toListRef();
+    TORCH_CHECK(list.size() == 1 && list[0].isTensor(), hook_name,
+                ": expected a future holding one tensor");
+    return list[0].toTensor();
+  }
+  TORCH_CHECK(false, hook_name, ": expected the hook's future to hold a Tensor, got ",
+              result.tagKind());
+}
 
 void check_bucket(const at::Tensor& buffer, const std::string& hook_name) {
   TORCH_CHECK(buffer.defined(), hook_name, ": the bucket has no gradient buffer");

@@ -31,10 +31,11 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressWrapper::runHook(c10d::GradBucke
     throw;
   }
   bucket.setBuffer(original);
-  CommHookPtr inner = hook_;
+  // The callback must not own the wrapped hook: it may run last on a communication thread, and a
+  // hook can hold the last reference to its ProcessGroup, whose destructor joins that thread.
   return fut->then(
-      [inner, original](c10::ivalue::Future& f) {
-        at::Tensor result = inner->parseHookResult(f.value());
+      [original, inner_name = hook_->name()](c10::ivalue::Future& f) {
+        at::Tensor result = detail::parse_hook_result(f.value(), inner_name);
         scaled_cast_into(result.contiguous(), original, 1.0);
         return c10::IValue(original);
       },

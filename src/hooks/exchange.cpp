@@ -57,7 +57,8 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::
     std::vector<std::vector<at::Tensor>> outputs{gathered.unbind(0)};
     auto work = pg->allgather(outputs, inputs);
     return work->getFuture()->then(
-        [gathered, values, out, scale, world, n](c10::ivalue::Future&) {
+        [gathered, values, out, scale, world, n](c10::ivalue::Future& f) {
+          f.value();  // rethrows a failed collective: then() does not propagate errors itself
           sum_rows_into(gathered.view(values.scalar_type()).view({world, n}), out, scale);
           return c10::IValue(out);
         },
@@ -67,7 +68,8 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::
   std::vector<at::Tensor> tensors{values};
   auto work = pg->allreduce(tensors);
   return work->getFuture()->then(
-      [values, out, scale](c10::ivalue::Future&) {
+      [values, out, scale](c10::ivalue::Future& f) {
+        f.value();  // rethrows a failed collective
         if (!values.is_same(out) || scale != 1.0) scaled_cast_into(values, out, scale);
         return c10::IValue(out);
       },

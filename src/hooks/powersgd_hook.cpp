@@ -370,6 +370,7 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                      const std::shared_ptr<PendingJob>& job) {
   BucketLayout& L = *job->layout;
   job->round1->wait();
+  job->round1->value();  // rethrows a failed round one
   if (L.unc_numel > 0) {
     at::Tensor unc = L.s1.narrow(0, 0, L.unc_numel);
     unc.div_(job->world);
@@ -416,17 +417,21 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
   });
 }
 
-// Issues round two of the bucket left pending by the previous runHook. Failures go to that
-// bucket's future (DDP reports them when it waits), not to the current caller.
-void flush_pending(PowerSGDState& st) {
-  std::shared_ptr<PendingJob> job = std::move(st.pending);
-  st.pending.reset();
-  if (!job) return;
+// Starts round two; a failure goes to the bucket's own future (DDP reports it when it waits).
+void start_round_two_or_fail(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                             const std::shared_ptr<PendingJob>& job) {
   try {
-    start_round_two(st.process_group(), job);
+    start_round_two(pg, job);
   } catch (...) {
     if (!job->result->completed()) job->result->setError(std::current_exception());
   }
+}
+
+// Issues round two of the bucket left pending by the previous runHook.
+void flush_pending(PowerSGDState& st) {
+  std::shared_ptr<PendingJob> job = std::move(st.pending);
+  st.pending.reset();
+  if (job) start_round_two_or_fail(st.process_group(), job);
 }
 
 }  // namespace
@@ -467,7 +472,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& 
   st.maybe_report_stats(is_last);
   flush_pending(st);
   if (is_last) {
-    start_round_two(st.process_group(), job);
+    start_round_two_or_fail(st.process_group(), job);
     st.maybe_increase_iter(true);
   } else {
     st.pending = job;

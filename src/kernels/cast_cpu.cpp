@@ -244,7 +244,7 @@ uint16_t float_to_bf16_bits(float f) {
 bool cpu_has_fast_half() { return half_ops().fast; }
 
 void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64_t n,
-                     float scale) {
+                     double scale) {
   check_dtype(src_t);
   check_dtype(dst_t);
   if (n <= 0) return;
@@ -253,25 +253,26 @@ void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64
     for (int64_t i = 0; i < n; ++i) store_one_f64(s * load_one_f64(src, src_t, i), dst, dst_t, i);
     return;
   }
+  const float fscale = static_cast<float>(scale);  // fp32 arithmetic from here on
   if (src_t == DType::kFloat32 && dst_t == DType::kFloat32) {
     const float* s = static_cast<const float*>(src);
     float* d = static_cast<float*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = s[i] * scale;
+    for (int64_t i = 0; i < n; ++i) d[i] = s[i] * fscale;
     return;
   }
   alignas(64) float buf[kBlock];
   for (int64_t off = 0; off < n; off += kBlock) {
     const int64_t m = n - off < kBlock ? n - off : kBlock;
     load_f32(src, src_t, off, m, buf);
-    if (scale != 1.0f) {
-      for (int64_t i = 0; i < m; ++i) buf[i] *= scale;
+    if (fscale != 1.0f) {
+      for (int64_t i = 0; i < m; ++i) buf[i] *= fscale;
     }
     store_f32(buf, dst, dst_t, off, m);
   }
 }
 
 void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
-                  float scale) {
+                  double scale) {
   check_dtype(src_t);
   check_dtype(dst_t);
   if (rows < 1) throw std::invalid_argument("ddpx sum_rows_cpu: rows must be >= 1");
@@ -284,6 +285,7 @@ void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* d
     }
     return;
   }
+  const float fscale = static_cast<float>(scale);
   alignas(64) float acc[kBlock];
   alignas(64) float tmp[kBlock];
   for (int64_t off = 0; off < n; off += kBlock) {
@@ -293,8 +295,8 @@ void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* d
       load_f32(src, src_t, r * n + off, m, tmp);
       for (int64_t i = 0; i < m; ++i) acc[i] += tmp[i];
     }
-    if (scale != 1.0f) {
-      for (int64_t i = 0; i < m; ++i) acc[i] *= scale;
+    if (fscale != 1.0f) {
+      for (int64_t i = 0; i < m; ++i) acc[i] *= fscale;
     }
     store_f32(acc, dst, dst_t, off, m);
   }

@@ -58,7 +58,7 @@ struct alignas(sizeof(T) * kVec) Vec {
 // Consecutive threads touch consecutive vectors, so every warp access is coalesced.
 template <typename S, typename D>
 __global__ void scaled_cast_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n,
-                                   float scale, bool vectorised) {
+                                   double scale, bool vectorised) {
   using A = AccT<S, D>;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -85,13 +85,14 @@ __global__ void scaled_cast_kernel(const S* __restrict__ src, D* __restrict__ ds
 
 template <typename S, typename D>
 __global__ void sum_rows_kernel(const S* __restrict__ src, int64_t rows, int64_t n,
-                                D* __restrict__ dst, float scale) {
+                                D* __restrict__ dst, double scale) {
   using A = AccT<S, D>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    A acc = 0;
-    for (int64_t r = 0; r < rows; ++r) acc += static_cast<A>(Conv<S>::load(src[r * n + i]));
+    // Start from row 0 (not +0.0) so that a column of -0.0 sums to -0.0, as on the CPU.
+    A acc = static_cast<A>(Conv<S>::load(src[i]));
+    for (int64_t r = 1; r < rows; ++r) acc += static_cast<A>(Conv<S>::load(src[r * n + i]));
     dst[i] = Conv<D>::store(acc * A(scale));
   }
 }
@@ -134,7 +135,7 @@ constexpr int kThreads = 256;
 
 }  // namespace
 
-void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, float scale,
+void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, double scale,
                       cudaStream_t stream) {
   if (n <= 0) return;
   dispatch(src_t, [&](auto* s_tag) {
@@ -151,7 +152,7 @@ void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int6
 }
 
 void sum_rows_cuda(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
-                   float scale, cudaStream_t stream) {
+                   double scale, cudaStream_t stream) {
   if (rows < 1) throw std::invalid_argument("ddpx sum_rows_cuda: rows must be >= 1");
   if (n <= 0) return;
   dispatch(src_t, [&](auto* s_tag) {

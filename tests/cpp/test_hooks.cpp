@@ -570,7 +570,7 @@ TEST(HookErrors, BadCompressDtypeIsRejected) {
 // parent's error by itself, so the hook's future completes normally with each rank's own
 // (scaled) values. Fix: begin both continuations with `f.value();` (rethrows the error), as
 // torch's default hooks do. Enable once fixed (run with --gtest_also_run_disabled_tests).
-TEST(HookErrors, DISABLED_CollectiveErrorReachesTheFuture) {
+TEST(HookErrors, CollectiveErrorReachesTheFuture) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
   GTEST_SKIP() << "Gloo reduces bfloat16 in torch 2.x: no failing collective to inject";
 #else

@@ -238,8 +238,10 @@ def ref_compress_hook(local: Sequence[torch.Tensor], dtype16: torch.dtype) -> to
     bucket's dtype."""
     w = len(local)
     out_dtype = local[0].dtype
-    rows = [(x * _scale_of(w)).float().to(dtype16) if w != 1 else x.float().to(dtype16)
-            for x in local]
+    # The kernels scale in fp64 for fp64 buckets (then round to fp32 and 16 bits, as torch's
+    # .to() does), in fp32 otherwise.
+    rows = [(x * (1.0 / w if x.dtype == torch.float64 else _scale_of(w))).float().to(dtype16)
+            if w != 1 else x.float().to(dtype16) for x in local]
     acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     return _seq_sum(rows, acc_dtype).to(out_dtype)
 

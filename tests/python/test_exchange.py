@@ -112,10 +112,6 @@ def test_fp16_wrapper_over_allreduce_mode_equals_torch(world_size):
                                res[r]["torch_fp16_wrap"][it]), (r, it)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug: ALLGATHER divides the fp64 sum by W with a scale rounded to fp32 "
-    "(cast.cpp: static_cast<float>(scale)), 3e-8 relative error for W = 3 instead of fp64's "
-    "1e-16; see test_kernels.test_sum_rows_fp64_keeps_fp64_scale"))
 def test_allreduce_allgather_float64_precision():
     world_size = 3
     res = exchange(world_size, torch.float64)

@@ -98,17 +98,11 @@ def test_scaled_cast_fp32_to_fp32_and_fp64():
     assert_same_bits(C.scaled_cast(x, torch.float64, 1.0), x.double())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug: the scale reaches the kernels as a float (cast.cpp: static_cast<float>(scale); "
-    "kernels.h: `float scale`), so fp64 tensors are scaled by fp32(1/3) = 0.3333333432..., a "
-    "relative error of 3e-8 instead of fp64's 1e-16"))
 def test_scaled_cast_fp64_keeps_fp64_scale():
     x = torch.randn(1000, dtype=torch.float64)
     assert_same_bits(C.scaled_cast(x, torch.float64, 1 / 3), x * (1 / 3))
 
 
-@pytest.mark.xfail(strict=True, reason="ddpx bug: sum_rows applies an fp32-rounded scale to fp64 "
-                   "sums (same cause as test_scaled_cast_fp64_keeps_fp64_scale)")
 def test_sum_rows_fp64_keeps_fp64_scale():
     x = torch.randn(3, 1000, dtype=torch.float64)
     assert_same_bits(C.sum_rows(x, torch.float64, 1 / 3), (x[0] + x[1] + x[2]) * (1 / 3))

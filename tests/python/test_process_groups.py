@@ -111,11 +111,6 @@ def rank_reinit(rank: int, world_size: int, port: int):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug: hooks.native_hook caches the C++ hook per (id(hook), id(state)); for state None "
-    "that is resolved once to the default group of that moment, so after "
-    "destroy_process_group() + init_process_group() the hooks keep using the destroyed group "
-    "and average over the old world (silently wrong gradients here)"))
 def test_state_none_follows_a_reinitialised_default_group():
     res = run_ranks(rank_reinit, 3, args=(free_port(),), timeout=60)
     assert res[2] is None

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -26,6 +28,17 @@ inline std::string torch_version() {
 // several backends; getBackendName() then names the group's default backend.
 inline std::string backend_name(const c10d::ProcessGroup& pg) { return pg.getBackendName(); }
 
+namespace detail {
+template <typename... Args>
+c10d::GradBucket make_grad_bucket_impl(std::true_type, Args&&... args) {
+  return c10d::GradBucket(std::forward<Args>(args)...);
+}
+template <typename... Args>
+c10d::GradBucket make_grad_bucket_impl(std::false_type, Args&&... args) {
+  return c10d::GradBucket(std::forward<Args>(args)..., c10::nullopt);
+}
+}  // namespace detail
+
 // Builds a GradBucket over `buffer` holding `grads` laid out back to back, as DDP's Reducer
 // does. Used by C++ callers and tests that drive hooks without DDP. `sizes` must outlive the
 // bucket (GradBucket stores IntArrayRefs into it).
@@ -35,7 +48,14 @@ inline c10d::GradBucket make_grad_bucket(size_t index, size_t bucket_count,
                                          const std::vector<size_t>& lengths,
                                          const std::vector<c10::IntArrayRef>& sizes,
                                          const std::vector<at::Tensor>& parameters) {
-  return c10d::GradBucket(index, bucket_count, buffer, offsets, lengths, sizes, parameters);
+  // torch >= 2.1 added a required `sparse_grad_indices` argument; detect it by signature.
+  constexpr bool kSevenArgs =
+      std::is_constructible<c10d::GradBucket, size_t, size_t, const at::Tensor&,
+                            const std::vector<size_t>&, const std::vector<size_t>&,
+                            const std::vector<c10::IntArrayRef>&,
+                            const std::vector<at::Tensor>&>::value;
+  return detail::make_grad_bucket_impl(std::integral_constant<bool, kSevenArgs>{}, index, bucket_count,
+                               buffer, offsets, lengths, sizes, parameters);
 }
 
 }  // namespace compat

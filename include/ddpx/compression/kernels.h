@@ -21,13 +21,13 @@ const char* dtype_name(DType t);
 // dst[i] = cast<dst_t>(scale * src[i]) for i < n.
 // Arithmetic is fp32 (fp64 when either side is fp64); fp16/bf16 results round to nearest even.
 // `src` and `dst` may alias only when src_t == dst_t. Thread-safe; runs on the calling thread.
-void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, float scale);
+void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, double scale);
 
 // dst[i] = cast<dst_t>(scale * sum_{r < rows} src[r * n + i]) for i < n.
 // Accumulates in fp32 (fp64 when either side is fp64), so 16-bit inputs are summed without
 // intermediate 16-bit rounding. `dst` must not overlap `src`. Runs on the calling thread.
 void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
-                  float scale);
+                  double scale);
 
 // Scalar reference conversions (IEEE binary16 and bfloat16, round to nearest even, NaN kept).
 // Exposed for tests and for code that converts single values.

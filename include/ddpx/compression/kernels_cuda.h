@@ -13,12 +13,12 @@ namespace ddpx {
 namespace kernels {
 
 // dst[i] = cast<dst_t>(scale * src[i]); one fused pass, vectorised loads where aligned.
-void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, float scale,
+void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, double scale,
                       cudaStream_t stream);
 
 // dst[i] = cast<dst_t>(scale * sum_r src[r * n + i]); fp32 accumulation, one pass.
 void sum_rows_cuda(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
-                   float scale, cudaStream_t stream);
+                   double scale, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace ddpx

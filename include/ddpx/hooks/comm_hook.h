@@ -51,6 +51,9 @@ namespace detail {
 // hook and say what to change.
 void check_bucket(const at::Tensor& buffer, const std::string& hook_name);
 
+// The tensor a hook's future holds (a Tensor, or a list of one Tensor).
+at::Tensor parse_hook_result(const c10::IValue& result, const std::string& hook_name);
+
 // Checks a process group handle given to a hook constructor.
 void check_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                          const std::string& hook_name);

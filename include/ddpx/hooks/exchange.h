@@ -13,8 +13,10 @@ namespace hooks {
 enum class ExchangeMode {
   // kAllgather for 16-bit tensors on CPU or on a Gloo group, kAllreduce otherwise.
   kAuto = 0,
-  // The backend's allreduce in the values' own dtype. Fast on NCCL; on Gloo 16-bit sums run
-  // element by element in scalar code, and bf16 is refused by Gloo in torch 1.13.
+  // The backend's allreduce in the values' own dtype. Fast on NCCL. Avoid it for 16-bit values on
+  // Gloo: Gloo sums fp16 element by element in scalar code, and wrongly (gloo/types.h's
+  // float16::operator= skips an assignment when the new bits equal the old bits read as an
+  // integer: 43712 + (-0.0530396) gives -0.0530396), and torch 1.13's Gloo refuses bf16.
   kAllreduce = 1,
   // Allgather the raw 16-bit bytes, then sum the world_size rows locally in fp32 with
   // vectorised code. Sends (world_size - 1) * numel * 2 bytes per rank: no more than an fp32
