@@ -1,0 +1,480 @@
+#!/usr/bin/env python3
+"""Step time of DDP with torch's communication hooks and ddpx's, side by side.
+
+Every configuration runs in the same process group, on the same model (same initial weights)
+and the same per-rank data. Each configuration gets its own DDP instance (a DDP model takes one
+hook), all built up front; timing then interleaves them in rounds (R rounds x K steps of each,
+the order rotated every round) so that machine drift hits all of them alike.
+
+A step is forward + backward (DDP's backward ends only when every bucket's hook future has
+completed, so the gradients are synchronised when it returns; on CUDA the step is also closed
+by torch.cuda.synchronize()). The step time of the job is the slowest rank's time for that
+step; the figure reported is the median over all timed steps.
+
+Hook overhead = median step - median step of the ddpx native noop hook (same forward/backward,
+no communication, no Python per bucket). The torch noop hook (Python) is reported too. On a
+noisy machine the paired overhead is steadier: per round, the config's median step minus the
+baseline's median step in that round, then the median over rounds. Ratios and the target check
+(16-bit ddpx overhead <= fp32 allreduce overhead) use paired figures.
+
+Before timing, verify() checks the gradients after one backward:
+  * ddpx allreduce (drop-in and native) == torch allreduce_hook, bit for bit;
+  * ddpx noop == torch noop (local gradients), bit for bit;
+  * ddpx fp16/bf16: |g - exact mean| <= u * mean_r |g_r| + subnormal slack, with u the unit
+    round-off of the 16-bit type (one rounding per rank, fp32 sums), and close to torch's
+    fp16 hook (whose Gloo sums also round in fp16).
+
+Usage (CPU, 2 Gloo ranks, the default):
+    PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_hooks.py --json out/hooks.json
+GPU (NCCL world size 1, then Gloo with 2 ranks sharing the one GPU):
+    PYTHONPATH=build-gpu/python python3 benchmarks/bench_hooks.py --device cuda
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# name -> (who, path, description)
+CONFIGS = {
+    "none": ("torch", "builtin", "no hook (DDP's C++ fp32 allreduce)"),
+    "torch_noop": ("torch", "python", "debugging_hooks.noop_hook"),
+    "ddpx_noop_dropin": ("ddpx", "drop-in", "ddpx.hooks.noop_hook via ddp.register_comm_hook"),
+    "ddpx_noop_native": ("ddpx", "native", "ddpx.hooks.noop_hook via ddpx.register_comm_hook"),
+    "torch_allreduce": ("torch", "python", "default_hooks.allreduce_hook"),
+    "torch_builtin_allreduce": ("torch", "builtin", "BuiltinCommHookType.ALLREDUCE (C++)"),
+    "ddpx_allreduce_dropin": ("ddpx", "drop-in", "ddpx.hooks.allreduce_hook"),
+    "ddpx_allreduce_native": ("ddpx", "native", "ddpx.hooks.allreduce_hook"),
+    "torch_fp16": ("torch", "python", "default_hooks.fp16_compress_hook"),
+    "torch_builtin_fp16": ("torch", "builtin", "BuiltinCommHookType.FP16_COMPRESS (C++)"),
+    "ddpx_fp16_dropin": ("ddpx", "drop-in", "ddpx.hooks.fp16_compress_hook"),
+    "ddpx_fp16_native": ("ddpx", "native", "ddpx.hooks.fp16_compress_hook"),
+    "torch_bf16": ("torch", "python", "default_hooks.bf16_compress_hook (NCCL+CUDA only)"),
+    "ddpx_bf16_dropin": ("ddpx", "drop-in", "ddpx.hooks.bf16_compress_hook"),
+    "ddpx_bf16_native": ("ddpx", "native", "ddpx.hooks.bf16_compress_hook"),
+}
+BASELINE = "ddpx_noop_native"
+TORCH_BASELINE = "torch_noop"
+
+# (torch config, ddpx config): the ratio torch/ddpx is printed for each pair present.
+PAIRS = [
+    ("torch_noop", "ddpx_noop_dropin"),
+    ("torch_noop", "ddpx_noop_native"),
+    ("torch_allreduce", "ddpx_allreduce_dropin"),
+    ("torch_allreduce", "ddpx_allreduce_native"),
+    ("torch_builtin_allreduce", "ddpx_allreduce_native"),
+    ("torch_fp16", "ddpx_fp16_dropin"),
+    ("torch_fp16", "ddpx_fp16_native"),
+    ("torch_builtin_fp16", "ddpx_fp16_native"),
+    ("torch_fp16", "ddpx_bf16_native"),
+    ("torch_bf16", "ddpx_bf16_dropin"),
+    ("torch_bf16", "ddpx_bf16_native"),
+]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    act = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU}[args.activation]
+    layers: List[torch.nn.Module] = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), act()]
+    return torch.nn.Sequential(*layers)
+
+
+def available_configs(backend: str, device: torch.device) -> List[str]:
+    names = list(CONFIGS)
+    if not (backend == "nccl" and device.type == "cuda"):
+        # torch 1.13 refuses it outright on Gloo / without CUDA; torch 2.x asserts NCCL.
+        names.remove("torch_bf16")
+    return names
+
+
+def register(name: str, ddp: DDP, ddpx) -> None:
+    H = ddpx.hooks
+    if name == "none":
+        return
+    if name == "torch_noop":
+        ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif name == "torch_allreduce":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif name == "torch_builtin_allreduce":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    elif name == "torch_fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "torch_builtin_fp16":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    elif name == "torch_bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    else:
+        _, kind, path = name.split("_")
+        hook = {"noop": H.noop_hook, "allreduce": H.allreduce_hook,
+                "fp16": H.fp16_compress_hook, "bf16": H.bf16_compress_hook}[kind]
+        if path == "dropin":
+            ddp.register_comm_hook(None, hook)
+        else:
+            ddpx.register_comm_hook(ddp, None, hook)
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def step(ddp: DDP, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+
+
+def verify(ddps: Dict[str, DDP], base: torch.nn.Module, x, y, world: int) -> dict:
+    """One backward per DDP instance; compares gradients. Returns {check: {ok, detail}}."""
+    # Exact reference: local gradients of a plain copy, summed over ranks in fp64.
+    local = copy.deepcopy(base).to(x.device)
+    torch.nn.functional.mse_loss(local(x), y).backward()
+    g_local = flat_grads(local).double()
+    exact = g_local.clone()
+    dist.all_reduce(exact)
+    exact /= world
+    abs_mean = g_local.abs()
+    dist.all_reduce(abs_mean)
+    abs_mean /= world
+    del local
+
+    grads = {}
+    for name, ddp in ddps.items():
+        step(ddp, x, y)
+        grads[name] = flat_grads(ddp.module)
+        ddp.zero_grad(set_to_none=True)
+
+    checks = {}
+
+    def record(check: str, ok: bool, detail: str) -> None:
+        checks[check] = {"ok": bool(ok), "detail": detail}
+
+    for t, d in [("torch_allreduce", "ddpx_allreduce_dropin"),
+                 ("torch_allreduce", "ddpx_allreduce_native"),
+                 ("torch_noop", "ddpx_noop_dropin"), ("torch_noop", "ddpx_noop_native")]:
+        if t in grads and d in grads:
+            diff = (grads[t] - grads[d]).abs().max().item()
+            record(f"{d} == {t} (bitwise)", torch.equal(grads[t], grads[d]),
+                   f"max |diff| = {diff:.3g}")
+    if "torch_noop" in grads:
+        diff = (grads["torch_noop"].double() - g_local).abs().max().item()
+        record("torch_noop == local gradient", diff == 0.0, f"max |diff| = {diff:.3g}")
+
+    # 16-bit hooks: one rounding of g_r / W per rank (unit round-off u), fp32 sums after that.
+    # Bound |g - exact| <= 2 * (u * mean_r |g_r| + W * half the smallest subnormal) + fp32 slack.
+    u_of = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+    tiny_of = {"fp16": 2.0 ** -25, "bf16": 0.0}
+    for name, g in grads.items():
+        for kind in ("fp16", "bf16"):
+            if kind not in name or not name.startswith(("ddpx_", "torch_")):
+                continue
+            err = (g.double() - exact).abs()
+            bound = 2 * (u_of[kind] * abs_mean + world * tiny_of[kind]) + 2.0 ** -22 * exact.abs()
+            worst = (err / bound.clamp_min(1e-30)).max().item()
+            ok = worst <= 1.0 if name.startswith("ddpx_") else True  # torch: reported only
+            record(f"{name} vs exact mean (error/bound)", ok,
+                   f"max |err| = {err.max().item():.3g}, worst err/bound = {worst:.3f}")
+    if "torch_fp16" in grads:
+        ref = grads["torch_fp16"].double()
+        for d in ("ddpx_fp16_dropin", "ddpx_fp16_native"):
+            if d in grads:
+                # torch's hook casts *then* divides (a second rounding for values that become
+                # fp16 subnormals) and its Gloo/NCCL fp16 sums round (W-1) more times, so this
+                # is a loose closeness check; the tight one is against the exact mean.
+                diff = (grads[d].double() - ref).abs()
+                bound = 4 * world * (2.0 ** -11 * abs_mean + 2.0 ** -25) + 2.0 ** -22 * ref.abs()
+                worst = (diff / bound).max().item()
+                record(f"{d} ~= torch_fp16", worst <= 1.0,
+                       f"max |diff| = {diff.max().item():.3g}, worst diff/bound = {worst:.3f}")
+    if "torch_bf16" in grads:
+        ref = grads["torch_bf16"].double()
+        for d in ("ddpx_bf16_dropin", "ddpx_bf16_native"):
+            if d in grads:
+                diff = (grads[d].double() - ref).abs()
+                bound = 4 * world * 2.0 ** -8 * abs_mean + 2.0 ** -22 * ref.abs()
+                worst = (diff / bound.clamp_min(1e-30)).max().item()
+                record(f"{d} ~= torch_bf16", worst <= 1.0,
+                       f"max |diff| = {diff.max().item():.3g}, worst diff/bound = {worst:.3f}")
+    for a, b in [("ddpx_fp16_dropin", "ddpx_fp16_native"), ("ddpx_bf16_dropin", "ddpx_bf16_native"),
+                 ("ddpx_allreduce_dropin", "ddpx_allreduce_native")]:
+        if a in grads and b in grads:
+            record(f"{a} == {b} (bitwise)", torch.equal(grads[a], grads[b]),
+                   f"max |diff| = {(grads[a] - grads[b]).abs().max().item():.3g}")
+
+    # Every rank must hold the same synchronised gradients (noop excluded by design).
+    for name, g in grads.items():
+        if "noop" in name:
+            continue
+        g0 = g.clone()
+        dist.broadcast(g0, src=0)
+        if not torch.equal(g0, g):
+            record(f"{name}: ranks agree", False, "rank differs from rank 0")
+    # Combine: a check fails if it fails on any rank.
+    flags = torch.tensor([0.0 if c["ok"] else 1.0 for c in checks.values()], dtype=torch.float64,
+                         device=x.device)  # NCCL reduces device tensors only
+    dist.all_reduce(flags)
+    for (check, c), f in zip(checks.items(), flags.tolist()):
+        c["ok"] = f == 0.0
+    return checks
+
+
+def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        torch.cuda.set_device(0 if backend == "gloo" else rank)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    import ddpx  # after init: a clear ImportError here names the torch mismatch
+
+    base = build_model(args).to(device)  # copies below are made on the device
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(args.batch, args.width, generator=gen).to(device)
+    y = torch.randn(args.batch, args.width, generator=gen).to(device)
+
+    names = available_configs(backend, device)
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = [n for n in wanted if n not in CONFIGS]
+        if unknown:
+            raise SystemExit(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+        names = [n for n in names if n in wanted]
+    ddps: Dict[str, DDP] = {}
+    for name in names:
+        m = copy.deepcopy(base)
+        kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        ddp = DDP(m, bucket_cap_mb=args.bucket_cap_mb, **kw)
+        register(name, ddp, ddpx)
+        ddps[name] = ddp
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    checks = {} if args.no_verify else verify(ddps, base, x, y, world)
+
+    for name, ddp in ddps.items():  # warm-up (the verify step was the first)
+        dist.barrier()
+        for _ in range(args.warmup):
+            step(ddp, x, y)
+            ddp.zero_grad(set_to_none=True)
+        sync()
+
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    t_start = time.perf_counter()
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            ddp = ddps[name]
+            dist.barrier()  # a noop config lets ranks drift apart: start each block together
+            sync()
+            for _ in range(args.steps):
+                ddp.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                step(ddp, x, y)
+                sync()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    wall = time.perf_counter() - t_start
+
+    gathered: List[Dict[str, List[float]]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, times)
+    if rank == 0:
+        results = {}
+        for name in names:
+            per_step = [max(ts[name][i] for ts in gathered) for i in range(len(times[name]))]
+            q = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [per_step[0]] * 3
+            results[name] = {
+                "who": CONFIGS[name][0], "path": CONFIGS[name][1], "hook": CONFIGS[name][2],
+                "median_ms": statistics.median(per_step), "p25_ms": q[0], "p75_ms": q[2],
+                "steps": len(per_step),
+                "round_medians_ms": [statistics.median(per_step[r * args.steps:(r + 1) * args.steps])
+                                     for r in range(args.rounds)],
+                "rank_medians_ms": [statistics.median(ts[name]) for ts in gathered],
+            }
+        nparams = sum(p.numel() for p in base.parameters())
+        info = {
+            "backend": backend, "world_size": world, "device": str(device),
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else platform.processor() or platform.machine()),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "threads_per_rank": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "model": f"{args.layers} x Linear({args.width},{args.width})+{args.activation}",
+            "params": nparams, "grad_mb": nparams * 4 / 2**20, "batch": args.batch,
+            "bucket_cap_mb": args.bucket_cap_mb, "rounds": args.rounds, "steps": args.steps,
+            "timed_wall_s": wall, "ddpx_cpu_fast_half": bool(ddpx._C.cpu_has_fast_half()),
+        }
+        with open(out_path, "w") as f:
+            json.dump({"info": info, "verify": checks, "results": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def analyse(run: dict) -> dict:
+    res = run["results"]
+    base = res.get(BASELINE, {}).get("median_ms")
+    tbase = res.get(TORCH_BASELINE, {}).get("median_ms")
+    for r in res.values():
+        r["overhead_ms"] = r["median_ms"] - base if base is not None else None
+        r["overhead_vs_torch_noop_ms"] = r["median_ms"] - tbase if tbase is not None else None
+        # Paired in time: per round, this config's median step minus the baseline's median
+        # step in the same round; the median over rounds cancels slow drift of the machine.
+        r["overhead_paired_ms"] = (statistics.median(
+            a - b for a, b in zip(r["round_medians_ms"], res[BASELINE]["round_medians_ms"]))
+            if base is not None else None)
+    ratios = []
+    for t, d in PAIRS:
+        if t in res and d in res:
+            entry = {"torch": t, "ddpx": d,
+                     "step_ratio": res[t]["median_ms"] / res[d]["median_ms"]}
+            ot, od = res[t]["overhead_paired_ms"], res[d]["overhead_paired_ms"]
+            entry["overhead_torch_ms"], entry["overhead_ddpx_ms"] = ot, od
+            entry["overhead_ratio"] = (ot / od) if (ot is not None and od and od > 0.5) else None
+            ratios.append(entry)
+    run["ratios"] = ratios
+    # Target: compressed ddpx hooks add no more than the fp32 allreduce does.
+    targets = []
+    fp32 = [n for n in ("none", "torch_allreduce", "ddpx_allreduce_native") if n in res]
+    for d in ("ddpx_fp16_native", "ddpx_fp16_dropin", "ddpx_bf16_native", "ddpx_bf16_dropin"):
+        if d not in res or res[d]["overhead_paired_ms"] is None:
+            continue
+        for ref in fp32:
+            # Paired per round as well: (16-bit config - fp32 config) in the same round.
+            diff = statistics.median(a - b for a, b in zip(res[d]["round_medians_ms"],
+                                                           res[ref]["round_medians_ms"]))
+            targets.append({
+                "ddpx": d, "fp32_ref": ref, "ddpx_overhead_ms": res[d]["overhead_paired_ms"],
+                "fp32_overhead_ms": res[ref]["overhead_paired_ms"], "paired_diff_ms": diff,
+                "met": diff <= 0.0})
+    run["targets"] = targets
+    return run
+
+
+def fmt(v, spec=".1f"):
+    return "-" if v is None else format(v, spec)
+
+
+def print_report(run: dict) -> None:
+    i = run["info"]
+    print(f"\n### {i['backend']} x {i['world_size']} ranks on {i['device']} ({i['device_name']}), "
+          f"torch {i['torch']}\n")
+    print(f"model {i['model']}, {i['params'] / 1e6:.1f}M params ({i['grad_mb']:.0f} MB fp32 grads), "
+          f"batch {i['batch']}/rank, bucket_cap_mb {i['bucket_cap_mb']}, {i['threads_per_rank']} "
+          f"thread(s)/rank, {i['rounds']} rounds x {i['steps']} steps; step = forward+backward; "
+          f"time = slowest rank per step, median over steps\n")
+    if run["verify"]:
+        print("verify (one backward, gradients):")
+        for check, c in run["verify"].items():
+            print(f"  [{'ok' if c['ok'] else 'FAIL'}] {check}: {c['detail']}")
+        print()
+    print("| config | hook | path | median ms | p25-p75 ms | overhead vs ddpx noop (ms) "
+          "| paired overhead (ms) | overhead vs torch noop (ms) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for name, r in run["results"].items():
+        print(f"| {name} | {r['hook']} | {r['path']} | {r['median_ms']:.1f} | "
+              f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {fmt(r['overhead_ms'])} | "
+              f"{fmt(r['overhead_paired_ms'])} | {fmt(r['overhead_vs_torch_noop_ms'])} |")
+    if run["ratios"]:
+        print("\n| torch | ddpx | step ratio torch/ddpx | paired overhead torch / ddpx (ms) "
+              "| overhead ratio |")
+        print("|---|---|---:|---:|---:|")
+        for e in run["ratios"]:
+            print(f"| {e['torch']} | {e['ddpx']} | {e['step_ratio']:.2f} | "
+                  f"{fmt(e['overhead_torch_ms'])} / {fmt(e['overhead_ddpx_ms'])} | "
+                  f"{fmt(e['overhead_ratio'], '.2f')} |")
+    if run["targets"]:
+        print("\ntarget: 16-bit ddpx hook overhead <= fp32 allreduce overhead (paired per round: "
+              "median over rounds of the step-time difference)")
+        for t in run["targets"]:
+            print(f"  [{'met' if t['met'] else 'NOT met'}] {t['ddpx']} {t['ddpx_overhead_ms']:.1f} ms "
+                  f"vs {t['fp32_ref']} {t['fp32_overhead_ms']:.1f} ms: difference "
+                  f"{t['paired_diff_ms']:+.1f} ms/step")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated; default gloo on cpu, nccl,gloo on cuda")
+    p.add_argument("--world-size", type=int, default=2, help="ranks for gloo (nccl: GPUs, max)")
+    p.add_argument("--layers", type=int, default=None, help="default 8 (cpu) / 16 (cuda)")
+    p.add_argument("--width", type=int, default=None, help="default 1024 (cpu) / 4096 (cuda)")
+    p.add_argument("--batch", type=int, default=None, help="per rank; default 4 (cpu) / 512 (cuda)")
+    p.add_argument("--activation", choices=["relu", "gelu"], default=None,
+                   help="default relu (cpu) / gelu (cuda)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4, help="steps per config per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per config")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per rank (0: cpu_count // ranks on cpu, torch's default "
+                        "on cuda)")
+    p.add_argument("--configs", default="", help=f"subset of: {','.join(CONFIGS)}")
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--json", default="", help="write all results to this file")
+    args = p.parse_args(argv)
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    args.layers = args.layers or (16 if cuda else 8)
+    args.width = args.width or (4096 if cuda else 1024)
+    args.batch = args.batch or (512 if cuda else 4)
+    args.activation = args.activation or ("gelu" if cuda else "relu")
+    backends = (args.backends or ("nccl,gloo" if cuda else "gloo")).split(",")
+
+    runs = []
+    for backend in backends:
+        if backend == "nccl":
+            if not cuda:
+                raise SystemExit("nccl needs --device cuda")
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
+            world = max(1, min(args.world_size, torch.cuda.device_count()))
+        else:
+            world = args.world_size
+        if args.threads == 0 and not cuda:
+            args.threads = max(1, (os.cpu_count() or 1) // world)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rank0.json")
+            t0 = time.perf_counter()
+            mp.spawn(worker, args=(args, backend, world, free_port(), out), nprocs=world,
+                     join=True)
+            with open(out) as f:
+                run = analyse(json.load(f))
+            run["info"]["total_wall_s"] = time.perf_counter() - t0
+        print_report(run)
+        runs.append(run)
+
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "runs": runs}, f, indent=1)
+    failed = [c for run in runs for c, v in run["verify"].items() if not v["ok"]]
+    if failed:
+        print(f"\nverify FAILED: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# One-shot check on the GPU machine: build ddpx with CUDA, run the CUDA tests and the GPU
+# benchmarks, and leave every log and figure in one folder.
+#
+#   OUT=/some/dir bash scripts/gpu_check.sh        # run from the repository root
+#
+# Written for the project's GPU machine: one H200, torch 2.11 + CUDA 13 in
+# /opt/torch/.venv (its python3 first on PATH), cmake 4.x, g++ 13, ninja, no network.
+#
+# Every step runs under `timeout`, inside an overall deadline (DDPX_GPU_DEADLINE_S, default
+# 480 s) so the whole script ends in about 8 minutes; a failing or timed-out step is recorded
+# and the script goes on (a step that needs the build is skipped when the build failed).
+# Logs: $OUT/NN_<step>.log, JSON figures: $OUT/*.json, summary: $OUT/summary.txt.
+# Exit status: 0 when every step passed, 1 otherwise.
+set -u -o pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$(pwd)
+OUT=${OUT:-./out-gpu}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUILD=${DDPX_GPU_BUILD_DIR:-build-gpu}
+DEADLINE_S=${DDPX_GPU_DEADLINE_S:-480}
+JOBS=${DDPX_GPU_JOBS:-16}
+CUDA_OPT=${DDPX_GPU_CUDA:-ON}   # OFF only to dry-run this script's flow on a CPU machine
+T0=$(date +%s)
+
+# The interpreter that has torch: $PYTHON, python3 on PATH, then the GPU machine's venv.
+PY=""
+for cand in "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3 /usr/bin/python3; do
+  [ -n "$cand" ] || continue
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import torch' >/dev/null 2>&1; then
+    PY=$(command -v "$cand")
+    break
+  fi
+done
+if [ -z "$PY" ]; then
+  echo "gpu_check: no python3 that can import torch (set PYTHON=...)" | tee "$OUT/summary.txt"
+  exit 1
+fi
+export DDPX_PYTHON="$PY"   # cmake/DdpxTorch.cmake tries this interpreter first
+
+STEPS=()      # "name|status|seconds|log"
+FAILED=0
+BUILD_OK=0
+N=0
+
+remaining() { echo $((DEADLINE_S - ($(date +%s) - T0))); }
+
+# run_step NAME LIMIT_S COMMAND [NOTE_RC]: runs COMMAND (a bash -c string) under timeout, tee'd
+# into $OUT/NN_NAME.log; the limit is cut to the time left before the deadline. An exit status
+# equal to NOTE_RC is recorded as a note, not a failure (pytest's 5: no tests selected).
+run_step() {
+  local name=$1 limit=$2 cmd=$3 note_rc=${4:-}
+  N=$((N + 1))
+  local log
+  log=$(printf '%s/%02d_%s.log' "$OUT" "$N" "$name")
+  local left
+  left=$(remaining)
+  if [ "$left" -lt 15 ]; then
+    echo "== [$name] skipped: overall deadline (${DEADLINE_S}s) reached" | tee "$log"
+    STEPS+=("$name|SKIPPED(deadline)|0|$log")
+    FAILED=1
+    return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== [$name] (limit ${limit}s) $cmd" | tee "$log"
+  local s e rc
+  s=$(date +%s)
+  timeout --kill-after=10 "$limit" bash -c "$cmd" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  e=$(date +%s)
+  local status="ok"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    status="TIMEOUT(${limit}s)"
+  elif [ -n "$note_rc" ] && [ "$rc" -eq "$note_rc" ]; then
+    status="ok(rc=$rc:nothing-selected)"
+  elif [ "$rc" -ne 0 ]; then
+    status="FAILED(rc=$rc)"
+  fi
+  echo "== [$name] $status in $((e - s))s" | tee -a "$log"
+  STEPS+=("$name|$status|$((e - s))|$log")
+  case "$status" in ok*) return 0 ;; esac
+  FAILED=1
+  return 1
+}
+
+skip_step() {
+  N=$((N + 1))
+  STEPS+=("$1|SKIPPED($2)|0|-")
+  FAILED=1
+  echo "== [$1] skipped: $2"
+}
+
+# ---- 1. the machine -------------------------------------------------------------------------
+run_step env 20 "
+  set -x
+  date -u; uname -a; nvidia-smi || true
+  git -C '$ROOT' log -1 --oneline || true; git -C '$ROOT' status --short | head -40 || true
+  '$PY' -c 'import torch, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"); import torch.cuda.nccl as n; print(\"nccl\", n.version())'
+  cmake --version | head -1; ninja --version; g++ --version | head -1
+  command -v nvcc && nvcc --version | tail -2 || ls /usr/local/cuda/bin/nvcc || true
+"
+
+# ---- 2. configure and build (-j16) ----------------------------------------------------------
+TORCH_PREFIX=$("$PY" -c 'import torch;print(torch.utils.cmake_prefix_path)')
+CONFIGURE="cmake -S . -B '$BUILD' -G Ninja -DCMAKE_PREFIX_PATH='$TORCH_PREFIX' \
+  -DTORCH_CUDA_ARCH_LIST=9.0 -DDDPX_CUDA=$CUDA_OPT -DPython_EXECUTABLE='$PY'"
+if ! run_step configure 90 "$CONFIGURE"; then
+  # The GoogleTest (or Google Benchmark) packages may be missing on the GPU machine and it has
+  # no network: retry without the C++ tests so the module and the benchmarks still build.
+  run_step configure_no_tests 90 "rm -rf '$BUILD'; $CONFIGURE -DDDPX_BUILD_TESTS=OFF"
+fi
+if [ -f "$BUILD/build.ninja" ]; then
+  # -k 0: keep building the other targets past a failing one, so that a broken test file does
+  # not cost the module and the benchmarks.
+  run_step build 240 "cmake --build '$BUILD' -j $JOBS -- -k 0"
+  if compgen -G "$BUILD/python/ddpx/_C*.so" >/dev/null; then BUILD_OK=1; fi
+else
+  skip_step build "configure failed"
+fi
+
+# ---- 3. tests ---------------------------------------------------------------------------------
+if [ -f "$BUILD/CTestTestfile.cmake" ] && [ -f "$BUILD/build.ninja" ]; then
+  run_step ctest 100 "ctest --test-dir '$BUILD' --output-on-failure --timeout 90"
+else
+  skip_step ctest "not configured or C++ tests off"
+fi
+if [ "$BUILD_OK" = 1 ]; then
+  run_step pytest_cuda 100 "PYTHONPATH='$BUILD/python' '$PY' -m pytest tests/python -q -k 'cuda or nccl' -p no:cacheprovider" 5
+else
+  skip_step pytest_cuda "no ddpx._C built"
+fi
+
+# ---- 4. GPU benchmarks -------------------------------------------------------------------------
+if [ "$BUILD_OK" = 1 ]; then
+  # Kernels vs torch and vs a device-to-device copy of the same bytes (target: >= 0.8 of it).
+  run_step bench_kernels_cuda 60 "PYTHONPATH='$BUILD/python' '$PY' benchmarks/bench_kernels.py \
+    --device cuda --json '$OUT/kernels_cuda.json'"
+  # NCCL, world size 1 (NCCL refuses two ranks on one GPU): the default GPU model,
+  # 16 x Linear(4096,4096)+GELU, batch 512, all hooks including torch's bf16.
+  run_step bench_hooks_nccl 120 "PYTHONPATH='$BUILD/python' '$PY' benchmarks/bench_hooks.py \
+    --device cuda --backends nccl --json '$OUT/hooks_cuda_nccl.json'"
+  # Gloo, 2 ranks sharing the GPU: Gloo stages CUDA tensors through host memory, so a smaller
+  # model (2 x Linear(4096,4096), 128 MB of gradients) and fewer rounds keep it in budget.
+  run_step bench_hooks_gloo 100 "PYTHONPATH='$BUILD/python' '$PY' benchmarks/bench_hooks.py \
+    --device cuda --backends gloo --world-size 2 --layers 2 --rounds 4 --steps 3 \
+    --json '$OUT/hooks_cuda_gloo.json'"
+else
+  skip_step bench_kernels_cuda "no ddpx._C built"
+  skip_step bench_hooks_nccl "no ddpx._C built"
+  skip_step bench_hooks_gloo "no ddpx._C built"
+fi
+
+# ---- summary ----------------------------------------------------------------------------------
+{
+  echo "gpu_check summary ($(date -u), $(($(date +%s) - T0))s total, python $PY)"
+  printf '%-20s %-34s %7s  %s\n' step status seconds log
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name status secs log <<<"$s"
+    printf '%-20s %-34s %7s  %s\n' "$name" "$status" "$secs" "$log"
+  done
+  if [ "$FAILED" = 0 ]; then echo "ALL STEPS OK"; else echo "SOME STEPS FAILED (see logs)"; fi
+} | tee "$OUT/summary.txt"
+exit "$FAILED"
