@@ -158,6 +158,31 @@ inline std::unique_ptr<TestBucket> make_bucket(const at::Tensor& buffer, size_t 
   return tb;
 }
 
+// A GradBucket over `buffer` holding one gradient per tensor of `params`, back to back in that
+// order and with the parameters' shapes (their numels must add up to buffer.numel()). The bucket
+// holds the parameter tensors themselves: hooks with per-parameter state (PowerSGD) recognise
+// parameters by identity, so pass the same tensors at every step of one model.
+inline std::unique_ptr<TestBucket> make_bucket(const at::Tensor& buffer,
+                                               const std::vector<at::Tensor>& params,
+                                               size_t index = 0, size_t bucket_count = 1) {
+  auto tb = std::make_unique<TestBucket>();
+  std::vector<size_t> offsets, lengths;
+  size_t pos = 0;
+  for (const auto& p : params) {
+    tb->shapes.emplace_back(p.sizes().begin(), p.sizes().end());
+    offsets.push_back(pos);
+    lengths.push_back(static_cast<size_t>(p.numel()));
+    pos += static_cast<size_t>(p.numel());
+  }
+  TORCH_CHECK(pos == static_cast<size_t>(buffer.numel()), "make_bucket: the parameters hold ", pos,
+              " elements, the buffer ", buffer.numel());
+  // Filled only now: the IntArrayRefs point into tb->shapes, which must not grow any more.
+  for (const auto& s : tb->shapes) tb->sizes.emplace_back(s);
+  tb->bucket = std::make_unique<c10d::GradBucket>(ddpx::compat::make_grad_bucket(
+      index, bucket_count, buffer, offsets, lengths, tb->sizes, params));
+  return tb;
+}
+
 // splitmix64: decorrelates seeds built from small integers (test id, rank).
 inline uint64_t mix_seed(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
