@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <ddpx/compression/lowrank.h>
 #include <ddpx/compression/orthogonalize.h>
 
 #ifdef DDPX_WITH_CUDA
@@ -68,6 +69,93 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
   } else {
     kernels::orthogonalize_cpu(flat.data_ptr<double>(), pack.offsets().data(), pack.rows().data(),
                                pack.cols().data(), pack.count(), epsilon);
+  }
+}
+
+namespace {
+
+bool use_cpu_kernels(std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    if (!t->device().is_cpu() || !t->is_contiguous() ||
+        (t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) ||
+        t->scalar_type() != (*ts.begin())->scalar_type()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void check_batch(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 3, "PowerSGD products: ", what, " must be 3-D [batch, rows, cols], got ",
+              t.sizes());
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t, int64_t b) {
+  return t.data_ptr<T>() + b * t.size(1) * t.size(2);
+}
+
+}  // namespace
+
+void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P) {
+  check_batch(M, "M");
+  check_batch(Q, "Q");
+  check_batch(P, "P");
+  if (!use_cpu_kernels({&M, &Q, &P})) {
+    at::Tensor out = P;
+    at::bmm_out(out, M, Q);
+    return;
+  }
+  const int64_t n = M.size(1), m = M.size(2), r = Q.size(2);
+  for (int64_t b = 0; b < M.size(0); ++b) {
+    if (M.scalar_type() == at::kFloat) {
+      kernels::lowrank_project_cpu(ptr<float>(M, b), n, m, ptr<float>(Q, b), r, ptr<float>(P, b));
+    } else {
+      kernels::lowrank_project_cpu(ptr<double>(M, b), n, m, ptr<double>(Q, b), r,
+                                   ptr<double>(P, b));
+    }
+  }
+}
+
+void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tensor& Q) {
+  check_batch(M, "M");
+  check_batch(P, "P");
+  check_batch(Q, "Q");
+  if (!use_cpu_kernels({&M, &P, &Q})) {
+    at::Tensor out = Q;
+    at::bmm_out(out, M.transpose(1, 2), P);
+    return;
+  }
+  const int64_t n = M.size(1), m = M.size(2), r = P.size(2);
+  for (int64_t b = 0; b < M.size(0); ++b) {
+    if (M.scalar_type() == at::kFloat) {
+      kernels::lowrank_project_t_cpu(ptr<float>(M, b), n, m, ptr<float>(P, b), r,
+                                     ptr<float>(Q, b));
+    } else {
+      kernels::lowrank_project_t_cpu(ptr<double>(M, b), n, m, ptr<double>(P, b), r,
+                                     ptr<double>(Q, b));
+    }
+  }
+}
+
+void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M) {
+  check_batch(P, "P");
+  check_batch(Q, "Q");
+  check_batch(M, "M");
+  if (!use_cpu_kernels({&P, &Q, &M})) {
+    at::Tensor out = M;
+    at::bmm_out(out, P, Q.transpose(1, 2));
+    return;
+  }
+  const int64_t n = M.size(1), m = M.size(2), r = P.size(2);
+  for (int64_t b = 0; b < M.size(0); ++b) {
+    if (M.scalar_type() == at::kFloat) {
+      kernels::lowrank_reconstruct_cpu(ptr<float>(P, b), ptr<float>(Q, b), n, m, r,
+                                       ptr<float>(M, b));
+    } else {
+      kernels::lowrank_reconstruct_cpu(ptr<double>(P, b), ptr<double>(Q, b), n, m, r,
+                                       ptr<double>(M, b));
+    }
   }
 }
 

@@ -31,10 +31,6 @@ at::ScalarType compute_dtype_for(const at::Tensor& input) {
   return input.element_size() == 2 ? at::kFloat : input.scalar_type();
 }
 
-// out = a @ b (batched for 3-D), into existing storage; out is taken by value so that views work.
-void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
-void bmm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::bmm_out(out, a, b); }
-
 FuturePtr make_result_future(const at::Tensor& t) {
   std::vector<c10::Device> devices;
   if (t.is_cuda()) devices.push_back(t.device());
@@ -49,8 +45,10 @@ std::string join_keys(const std::vector<int64_t>& keys) {
 
 // Fills `dst` (a view) from the first memory found: live per-key memory, then a restored one.
 // Returns whether one was found with the right number of elements.
-bool claim_memory(int64_t key, const at::Tensor& dst, std::unordered_map<int64_t, at::Tensor>& live,
-                  std::unordered_map<int64_t, at::Tensor>& restored) {
+template <typename Key>
+bool claim_memory(const Key& key, const at::Tensor& dst,
+                  std::unordered_map<Key, at::Tensor>& live,
+                  std::unordered_map<Key, at::Tensor>& restored) {
   auto it = live.find(key);
   if (it != live.end() && it->second.numel() == dst.numel()) {
     dst.copy_(it->second.reshape(dst.sizes()));
@@ -197,6 +195,11 @@ std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
     }
   }
   L->batched_key = join_keys(keys);
+  if (L->error.defined() && L->side * L->side > L->total_length) {
+    at::Tensor pad = L->error.narrow(0, L->total_length, L->side * L->side - L->total_length);
+    claim_memory(L->batched_key, pad, st.batched_error_pad, st.restored_batched_error_pad);
+    st.batched_error_pad[L->batched_key] = pad;
+  }
   L->q_valid = false;
   auto live = st.batched_q_memory.find(L->batched_key);
   auto restored = st.restored_batched_q.find(L->batched_key);
@@ -314,8 +317,8 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
   orthogonalize_(L.q, L.q_pack, job->epsilon);
 
   if (batched) {
-    at::Tensor m = L.padded.view({L.side, L.side});
-    mm_into(L.s1.view({L.side, L.rank}), m, L.q.view({L.side, L.rank}));
+    lowrank_project_(L.padded.view({1, L.side, L.side}), L.q.view({1, L.side, L.rank}),
+                     L.s1.view({1, L.side, L.rank}));
   } else {
     if (job->batch_same_shape) {
       job->stacked.resize(L.groups.size());
@@ -328,7 +331,7 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
       }
     }
     for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
-      bmm_into(p, m, q);
+      lowrank_project_(m, q, p);
     });
     int64_t pos = 0;
     for (size_t i : L.uncompressed) {
@@ -386,11 +389,11 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
   }
   orthogonalize_(L.s1, L.p_pack, job->epsilon);
   if (job->batched) {
-    at::Tensor m = L.padded.view({L.side, L.side});
-    mm_into(L.q.view({L.side, L.rank}), m.t(), L.s1.view({L.side, L.rank}));
+    lowrank_project_t_(L.padded.view({1, L.side, L.side}), L.s1.view({1, L.side, L.rank}),
+                       L.q.view({1, L.side, L.rank}));
   } else {
     for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
-      bmm_into(q, m.transpose(1, 2), p);
+      lowrank_project_t_(m, p, q);
     });
   }
   at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.q : scaled_cast(L.q, L.wire_dtype, 1.0);
@@ -403,11 +406,11 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     try {
       BucketLayout& L = *job->layout;
       if (job->batched) {
-        mm_into(L.padded.view({L.side, L.side}), L.s1.view({L.side, L.rank}),
-                   L.q.view({L.side, L.rank}).t());
+        lowrank_reconstruct_(L.s1.view({1, L.side, L.rank}), L.q.view({1, L.side, L.rank}),
+                             L.padded.view({1, L.side, L.side}));
       } else {
         for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
-          bmm_into(m, p, q.transpose(1, 2));
+          lowrank_reconstruct_(p, q, m);
         });
       }
       finish(*job);

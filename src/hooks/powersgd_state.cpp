@@ -163,6 +163,19 @@ c10::impl::GenericDict tensor_dict(const std::unordered_map<int64_t, at::Tensor>
   for (const auto& kv : live) d.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
   return d;
 }
+c10::impl::GenericDict string_tensor_dict(
+    const std::unordered_map<std::string, at::Tensor>& live,
+    const std::unordered_map<std::string, at::Tensor>& restored) {
+  c10::impl::GenericDict d(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& kv : restored) d.insert(kv.first, kv.second);
+  for (const auto& kv : live) d.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
+  return d;
+}
+void load_string_tensor_dict(const c10::IValue& v,
+                             std::unordered_map<std::string, at::Tensor>& out) {
+  out.clear();
+  for (const auto& kv : v.toGenericDict()) out[kv.key().toStringRef()] = kv.value().toTensor();
+}
 void load_tensor_dict(const c10::IValue& v, std::unordered_map<int64_t, at::Tensor>& out) {
   out.clear();
   for (const auto& kv : v.toGenericDict()) out[kv.key().toInt()] = kv.value().toTensor();
@@ -189,12 +202,8 @@ c10::impl::GenericDict PowerSGDState::state_dict() const {
   d.insert("batch_tensors_with_same_shape", options_.batch_tensors_with_same_shape);
   d.insert("error", tensor_dict(error_memory, restored_error));
   d.insert("q", tensor_dict(q_memory, restored_q));
-  c10::impl::GenericDict bq(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& kv : restored_batched_q) bq.insert(kv.first, kv.second);
-  for (const auto& kv : batched_q_memory) {
-    bq.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
-  }
-  d.insert("batched_q", bq);
+  d.insert("batched_q", string_tensor_dict(batched_q_memory, restored_batched_q));
+  d.insert("batched_error_pad", string_tensor_dict(batched_error_pad, restored_batched_error_pad));
   return d;
 }
 
@@ -224,14 +233,13 @@ void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d) {
   rng_.deserialize(get("rng").toStringRef());
   load_tensor_dict(get("error"), restored_error);
   load_tensor_dict(get("q"), restored_q);
-  restored_batched_q.clear();
-  for (const auto& kv : get("batched_q").toGenericDict()) {
-    restored_batched_q[kv.key().toStringRef()] = kv.value().toTensor();
-  }
+  load_string_tensor_dict(get("batched_q"), restored_batched_q);
+  load_string_tensor_dict(get("batched_error_pad"), restored_batched_error_pad);
   // A fresh start for everything tied to this process's tensors.
   error_memory.clear();
   q_memory.clear();
   batched_q_memory.clear();
+  batched_error_pad.clear();
   layouts.clear();
   pending.reset();
   key_of_.clear();

@@ -6,6 +6,8 @@
 // manipulations that GCC auto-vectorises. bf16 is a 16-bit shift either way.
 #include <ddpx/compression/kernels.h>
 
+#include "convert_inl.h"
+
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -20,17 +22,6 @@ namespace ddpx {
 namespace kernels {
 namespace {
 
-inline uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 [[noreturn]] void bad_dtype(DType t) {
   throw std::invalid_argument("ddpx kernels: unsupported dtype tag " +
                               std::to_string(static_cast<int>(t)));
@@ -42,10 +33,10 @@ constexpr int64_t kBlock = 2048;
 // ---- portable conversions ------------------------------------------------------------------
 
 void load_half_portable(const uint16_t* src, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = half_bits_to_float(src[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = detail::half_to_float(src[i]);
 }
 void store_half_portable(const float* in, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half_bits(in[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = detail::float_to_half(in[i]);
 }
 
 #ifdef DDPX_X86
@@ -56,7 +47,7 @@ __attribute__((target("avx,f16c"))) void load_half_f16c(const uint16_t* src, flo
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
   }
-  for (; i < n; ++i) out[i] = half_bits_to_float(src[i]);
+  for (; i < n; ++i) out[i] = detail::half_to_float(src[i]);
 }
 __attribute__((target("avx,f16c"))) void store_half_f16c(const float* in, uint16_t* dst,
                                                            int64_t n) {
@@ -65,7 +56,7 @@ __attribute__((target("avx,f16c"))) void store_half_f16c(const float* in, uint16
     __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
   }
-  for (; i < n; ++i) dst[i] = float_to_half_bits(in[i]);
+  for (; i < n; ++i) dst[i] = detail::float_to_half(in[i]);
 }
 bool detect_f16c() {
   __builtin_cpu_init();
@@ -110,7 +101,7 @@ void load_f32(const void* src, DType t, int64_t off, int64_t n, float* out) {
       return;
     case DType::kBFloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src) + off;
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(s[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = detail::bf16_to_float(s[i]);
       return;
     }
     default:
@@ -129,7 +120,7 @@ void store_f32(const float* in, void* dst, DType t, int64_t off, int64_t n) {
       return;
     case DType::kBFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst) + off;
-      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(in[i]);
+      for (int64_t i = 0; i < n; ++i) d[i] = detail::float_to_bf16(in[i]);
       return;
     }
     default:
@@ -145,9 +136,9 @@ double load_one_f64(const void* src, DType t, int64_t i) {
     case DType::kFloat32:
       return static_cast<const float*>(src)[i];
     case DType::kFloat16:
-      return half_bits_to_float(static_cast<const uint16_t*>(src)[i]);
+      return detail::half_to_float(static_cast<const uint16_t*>(src)[i]);
     case DType::kBFloat16:
-      return bf16_bits_to_float(static_cast<const uint16_t*>(src)[i]);
+      return detail::bf16_to_float(static_cast<const uint16_t*>(src)[i]);
   }
   bad_dtype(t);
 }
@@ -160,10 +151,10 @@ void store_one_f64(double v, void* dst, DType t, int64_t i) {
       static_cast<float*>(dst)[i] = static_cast<float>(v);
       return;
     case DType::kFloat16:
-      static_cast<uint16_t*>(dst)[i] = float_to_half_bits(static_cast<float>(v));
+      static_cast<uint16_t*>(dst)[i] = detail::float_to_half(static_cast<float>(v));
       return;
     case DType::kBFloat16:
-      static_cast<uint16_t*>(dst)[i] = float_to_bf16_bits(static_cast<float>(v));
+      static_cast<uint16_t*>(dst)[i] = detail::float_to_bf16(static_cast<float>(v));
       return;
   }
   bad_dtype(t);
@@ -202,44 +193,10 @@ const char* dtype_name(DType t) {
   bad_dtype(t);
 }
 
-// The classic branch-free binary16 decoder: normals by exponent rebias and a multiply,
-// subnormals via a magic-number subtraction.
-float half_bits_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float normalized = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t mag = two_w < (1u << 27) ? to_bits(denormalized) : to_bits(normalized);
-  return from_bits(sign | mag);
-}
-
-// Branch-free binary16 encoder with round to nearest even: scaling by 2^112 then 2^-110 lets
-// the fp32 adder do the rounding; inputs beyond the range become inf, NaN becomes 0x7E00.
-uint16_t float_to_half_bits(float f) {
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = to_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = from_bits((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = to_bits(base);
-  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-  const uint32_t mantissa_bits = bits & 0x00000FFFu;
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-float bf16_bits_to_float(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
-
-// Round to nearest even by adding 0x7FFF plus the lowest kept bit; NaN maps to the canonical
-// quiet NaN 0x7FC0, as c10::BFloat16 does, so results match torch bit for bit.
-uint16_t float_to_bf16_bits(float f) {
-  const uint32_t u = to_bits(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>(std::isnan(f) ? 0x7FC0u : rounded);
-}
+float half_bits_to_float(uint16_t h) { return detail::half_to_float(h); }
+uint16_t float_to_half_bits(float f) { return detail::float_to_half(f); }
+float bf16_bits_to_float(uint16_t h) { return detail::bf16_to_float(h); }
+uint16_t float_to_bf16_bits(float f) { return detail::float_to_bf16(f); }
 
 bool cpu_has_fast_half() { return half_ops().fast; }
 

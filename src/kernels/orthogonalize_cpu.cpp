@@ -30,7 +30,13 @@ void gram_schmidt(T* m, int64_t n, int64_t r, double eps) {
 template <typename T>
 void run(T* data, const int64_t* offsets, const int64_t* rows, const int64_t* cols, int64_t count,
          double eps) {
-  for (int64_t k = 0; k < count; ++k) gram_schmidt(data + offsets[k], rows[k], cols[k], eps);
+  for (int64_t k = 0; k < count; ++k) {
+    gram_schmidt(data + offsets[k], rows[k], cols[k], eps);
+    // Above rank 2 a second pass ("twice is enough") restores orthogonality that one pass loses
+    // on ill-conditioned matrices, where torch switches to QR. Ranks 1-2 keep torch's single
+    // pass, and its exact arithmetic.
+    if (cols[k] > 2) gram_schmidt(data + offsets[k], rows[k], cols[k], 0.0);
+  }
 }
 
 }  // namespace

@@ -33,6 +33,9 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
   __shared__ double shared[kThreads / 32];
   T* m = data + offsets[blockIdx.x];
   const int64_t n = rows[blockIdx.x], r = cols[blockIdx.x];
+  // Above rank 2, a second pass with epsilon 0 (see orthogonalize.h).
+  const int passes = r > 2 ? 2 : 1;
+  for (int pass = 0; pass < passes; ++pass, eps = 0.0) {
   for (int64_t i = 0; i < r; ++i) {
     double sq = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sq += double(m[j * r + i]) * m[j * r + i];
@@ -48,6 +51,7 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
       for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m[j * r + c] -= d * m[j * r + i];
     }
     __syncthreads();
+  }
   }
 }
 

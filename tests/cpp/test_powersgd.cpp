@@ -790,7 +790,7 @@ int checkpoint_mismatches(int world, at::ScalarType dtype, const Shapes& shapes,
 // generator's position (and, taken before start_powerSGD_iter, nothing else). Layer-wise with
 // and without warm start, saved before and after compression starts; batched without error
 // feedback after it starts (its Q memory), with error feedback before it starts (see
-// DISABLED_BatchedCheckpointKeepsThePaddingResidual for after).
+// BatchedCheckpointKeepsThePaddingResidual for after).
 TEST_P(PowerSGDTest, CheckpointRestoresTheGenerator) {
   // Buckets of 86 (side 10) and 67 (side 9) elements: both zero-padded when batched.
   const Shapes shapes = {{10, 6}, {6}, {4, 5}, {8, 8}, {3}};
@@ -801,7 +801,6 @@ TEST_P(PowerSGDTest, CheckpointRestoresTheGenerator) {
         PowerSGDOptions o = options(1, 1.0, 2);
         o.warm_start = warm;
         o.random_seed = 12345;
-        o.use_error_feedback = !(batched && k_steps > o.start_powerSGD_iter);
         const std::string what = label() + (batched ? " batched" : " layer-wise") + " warm_start " +
                                  std::to_string(warm) + " error_feedback " +
                                  std::to_string(o.use_error_feedback) + " saved at " +
@@ -815,15 +814,11 @@ TEST_P(PowerSGDTest, CheckpointRestoresTheGenerator) {
   }
 }
 
-// LIBRARY BUG (disabled until fixed): batched_powerSGD_hook with error feedback keeps the residual
-// of the whole zero-padded side x side matrix (like torch's error_dict[bucket_index]), and the
-// padding's share is nonzero (the low-rank result is nonzero there). state_dict()/save() store
-// only the per-parameter views of that buffer (build_batched_layout registers
-// error_memory[key] = narrow(offset, numel)), so the padding residual is lost: a restored state
-// continues differently (relative differences 1e-3 to 1e-1 on every parameter), while torch's
-// PowerSGDState pickles the whole padded error tensor. Square buckets, or error feedback off,
-// restore bit for bit (CheckpointRestoresTheGenerator).
-TEST_P(PowerSGDTest, DISABLED_BatchedCheckpointKeepsThePaddingResidual) {
+// batched_powerSGD_hook with error feedback keeps the residual of the whole zero-padded
+// side x side matrix (like torch's error_dict[bucket_index]), and the padding's share is nonzero
+// (the low-rank result is nonzero there): a checkpoint must carry it (batched_error_pad) for the
+// restored state to continue bit for bit.
+TEST_P(PowerSGDTest, BatchedCheckpointKeepsThePaddingResidual) {
   const Shapes shapes = {{10, 6}, {6}, {4, 5}, {8, 8}, {3}};  // buckets of 86 and 67: padded
   const Layout x = {{0, 1, 2}, {3, 4}};
   for (bool warm : {false, true}) {

@@ -283,11 +283,6 @@ def test_full_rank_is_exact_mean_small_matrices():
     assert full_rank()[0][0]["stats"] == full_rank()[0][1]["stats"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug: orthogonalize_ (src/kernels/orthogonalize_cpu.cpp, orthogonalize_cuda.cu) "
-    "always runs one pass of Gram-Schmidt; torch uses QR for rank > 2. One Gram-Schmidt pass in "
-    "fp32 loses orthogonality on ill-conditioned P (error ~ eps * cond), so with rank 32 ddpx "
-    "returns fc3.weight's mean with a ~8e-3 relative error (torch: 8.4e-7)"))
 def test_full_rank_is_exact_mean():
     errs = full_rank_errors(0)
     assert max(errs.values()) <= 1e-5, errs

@@ -129,6 +129,10 @@ class PowerSGDState {
   // Batched hook: Q factor per bucket, keyed by the bucket's parameter keys joined with ','.
   std::unordered_map<std::string, at::Tensor> batched_q_memory;
   std::unordered_map<std::string, at::Tensor> restored_batched_q;
+  // Batched hook: the residual in the zero padding of each bucket's square matrix (nonzero, since
+  // the low-rank result is), keyed like batched_q_memory.
+  std::unordered_map<std::string, at::Tensor> batched_error_pad;
+  std::unordered_map<std::string, at::Tensor> restored_batched_error_pad;
   // Current layout per bucket index, and the bucket whose second round is still to be issued.
   std::unordered_map<size_t, std::shared_ptr<detail::BucketLayout>> layouts;
   std::shared_ptr<detail::PendingJob> pending;

@@ -1,0 +1,29 @@
+// Torch-free CPU kernels for PowerSGD's three products with a tall, skinny factor (r small):
+// P = M Q, Q = M^T P and M = P Q^T, each reading or writing the n x m matrix M exactly once.
+// A general GEMM library handles these shapes poorly (Debian's generic BLAS runs M^T P at under
+// 1 GFLOP/s), while the products are memory-bound: one pass over M is the floor.
+#pragma once
+
+#include <cstdint>
+
+namespace ddpx {
+namespace kernels {
+
+// All matrices row-major and contiguous: M is n x m, P is n x r, Q is m x r.
+// P = M Q.
+void lowrank_project_cpu(const float* M, int64_t n, int64_t m, const float* Q, int64_t r, float* P);
+void lowrank_project_cpu(const double* M, int64_t n, int64_t m, const double* Q, int64_t r,
+                         double* P);
+// Q = M^T P.
+void lowrank_project_t_cpu(const float* M, int64_t n, int64_t m, const float* P, int64_t r,
+                           float* Q);
+void lowrank_project_t_cpu(const double* M, int64_t n, int64_t m, const double* P, int64_t r,
+                           double* Q);
+// M = P Q^T.
+void lowrank_reconstruct_cpu(const float* P, const float* Q, int64_t n, int64_t m, int64_t r,
+                             float* M);
+void lowrank_reconstruct_cpu(const double* P, const double* Q, int64_t n, int64_t m, int64_t r,
+                             double* M);
+
+}  // namespace kernels
+}  // namespace ddpx
