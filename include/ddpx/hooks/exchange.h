@@ -18,8 +18,8 @@ enum class ExchangeMode {
   // float16::operator= skips an assignment when the new bits equal the old bits read as an
   // integer: 43712 + (-0.0530396) gives -0.0530396), and torch 1.13's Gloo refuses bf16.
   kAllreduce = 1,
-  // Allgather the raw 16-bit bytes, then sum the world_size rows locally in fp32 with
-  // vectorised code. Sends (world_size - 1) * numel * 2 bytes per rank: no more than an fp32
+  // Gather every rank's raw 16-bit values (an equal-split all-to-all of this rank's values, into
+  // reused buffers), then sum the world_size rows locally in fp32 with vectorised code. Sends (world_size - 1) * numel * 2 bytes per rank: no more than an fp32
   // ring allreduce (2 * (world_size - 1) / world_size * numel * 4) up to 4 ranks, half of it
   // on 2 ranks; and no 16-bit rounding of partial sums.
   kAllgather = 2,
@@ -41,6 +41,14 @@ ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& 
 c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                  const at::Tensor& values, const at::Tensor& out,
                                                  double scale, ExchangeMode mode);
+
+// The gather path of sum_into, fused with the cast: writes cast<wire_dtype>(pre_scale * src)
+// straight into a (reused) staging buffer, exchanges it with every rank, and completes once
+//   out = cast<out.dtype>(post_scale * sum over ranks of the wire values)
+// holds, summed in fp32. `src` and `out` may be the same tensor.
+c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& src,
+    at::ScalarType wire_dtype, double pre_scale, const at::Tensor& out, double post_scale);
 
 // The mean of `tensor` over the group, written back into `tensor`: torch's allreduce_hook (divide,
 // then allreduce; bit-identical for fp32/fp64), or for 16-bit values where the mode resolves to
