@@ -72,28 +72,50 @@ std::pair<int64_t, int64_t> matrix_shape(const at::Tensor& g) {
   return {n, n == 0 ? 0 : g.numel() / n};
 }
 
-std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
-                                                     const c10d::GradBucket& bucket,
-                                                     const std::vector<int64_t>& keys,
-                                                     const at::Tensor& input) {
-  const auto& o = st.options();
+// What both hooks' layouts share: keys, dtypes, device, and where each gradient sits.
+std::shared_ptr<BucketLayout> new_layout(const std::vector<int64_t>& keys,
+                                         const std::vector<at::Tensor>& grads,
+                                         const at::Tensor& input) {
+  TORCH_CHECK(grads.size() == keys.size(), "PowerSGD: the bucket has ", grads.size(),
+              " gradients but ", keys.size(), " parameters");
   auto L = std::make_shared<BucketLayout>();
   L->keys = keys;
   L->compute_dtype = compute_dtype_for(input);
   L->wire_dtype = input.scalar_type();
   L->device = input.device();
-  const std::vector<at::Tensor> grads = bucket.getGradients();
-  TORCH_CHECK(grads.size() == keys.size(), "powerSGD_hook: the bucket has ", grads.size(),
-              " gradients but ", keys.size(), " parameters");
   const auto* base = static_cast<const char*>(input.data_ptr());
+  for (const at::Tensor& g : grads) {
+    L->offsets.push_back((static_cast<const char*>(g.data_ptr()) - base) /
+                         static_cast<int64_t>(input.element_size()));
+    L->numels.push_back(g.numel());
+  }
+  return L;
+}
+
+// Error-feedback residual buffer of `numel` elements; each parameter's slice takes over its
+// memory (live, or from a checkpoint) and becomes its memory.
+void claim_error_views(PowerSGDState& st, BucketLayout& L, int64_t numel,
+                       const at::TensorOptions& opts) {
+  L.error = at::zeros({numel}, opts);
+  for (size_t i = 0; i < L.keys.size(); ++i) {
+    at::Tensor view = L.error.narrow(0, L.offsets[i], L.numels[i]);
+    claim_memory(L.keys[i], view, st.error_memory, st.restored_error);
+    st.error_memory[L.keys[i]] = view;
+  }
+}
+
+std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
+                                                     const c10d::GradBucket& bucket,
+                                                     const std::vector<int64_t>& keys,
+                                                     const at::Tensor& input) {
+  const auto& o = st.options();
+  const std::vector<at::Tensor> grads = bucket.getGradients();
+  auto L = new_layout(keys, grads, input);
   // Shapes in first-appearance order, each with its compressed gradients (torch's grouping).
   std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<size_t>>> shape_groups;
   std::vector<std::pair<int64_t, int64_t>> mshape(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
-    L->offsets.push_back((static_cast<const char*>(g.data_ptr()) - base) /
-                         static_cast<int64_t>(input.element_size()));
-    L->numels.push_back(g.numel());
     const auto nm = matrix_shape(g);
     mshape[i] = nm;
     const int64_t r = std::min({nm.first, nm.second, o.matrix_approximation_rank});
@@ -139,14 +161,7 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
   L->p_pack = MatrixPack(p_offs, p_rows, p_cols, L->device);
   L->q_pack = MatrixPack(q_offs, q_rows, q_cols, L->device);
   // Memories move to the new layout (after a bucket rebuild, or from a checkpoint).
-  if (o.use_error_feedback) {
-    L->error = at::zeros({input.numel()}, opts);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      at::Tensor view = L->error.narrow(0, L->offsets[i], L->numels[i]);
-      claim_memory(keys[i], view, st.error_memory, st.restored_error);
-      st.error_memory[keys[i]] = view;
-    }
-  }
+  if (o.use_error_feedback) claim_error_views(st, *L, input.numel(), opts);
   bool all_q = !L->comp.empty();
   for (const auto& c : L->comp) {
     at::Tensor view = L->q.narrow(0, c.q_off, c.m * c.r);
@@ -162,11 +177,7 @@ std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
                                                    const c10d::GradBucket& bucket,
                                                    const at::Tensor& input) {
   const auto& o = st.options();
-  auto L = std::make_shared<BucketLayout>();
-  L->keys = keys;
-  L->compute_dtype = compute_dtype_for(input);
-  L->wire_dtype = input.scalar_type();
-  L->device = input.device();
+  auto L = new_layout(keys, bucket.getGradients(), input);
   L->total_length = input.numel();
   L->side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(L->total_length))));
   while (L->side * L->side < L->total_length) ++L->side;  // guard against sqrt rounding
@@ -179,21 +190,7 @@ std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
   L->q = at::empty({L->side * L->rank}, opts);
   L->p_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
   L->q_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
-  const std::vector<at::Tensor> grads = bucket.getGradients();
-  const auto* base = static_cast<const char*>(input.data_ptr());
-  for (const auto& g : grads) {
-    L->offsets.push_back((static_cast<const char*>(g.data_ptr()) - base) /
-                         static_cast<int64_t>(input.element_size()));
-    L->numels.push_back(g.numel());
-  }
-  if (o.use_error_feedback) {
-    L->error = at::zeros({L->side * L->side}, opts);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      at::Tensor view = L->error.narrow(0, L->offsets[i], L->numels[i]);
-      claim_memory(keys[i], view, st.error_memory, st.restored_error);
-      st.error_memory[keys[i]] = view;
-    }
-  }
+  if (o.use_error_feedback) claim_error_views(st, *L, L->side * L->side, opts);
   L->batched_key = join_keys(keys);
   if (L->error.defined() && L->side * L->side > L->total_length) {
     at::Tensor pad = L->error.narrow(0, L->total_length, L->side * L->side - L->total_length);
