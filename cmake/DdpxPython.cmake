@@ -1,8 +1,24 @@
 # Builds the Python extension ddpx._C against the interpreter that has torch, and lays out an
 # importable package in ${CMAKE_BINARY_DIR}/python (PYTHONPATH=build/python works for tests).
 find_package(Python COMPONENTS Interpreter Development.Module REQUIRED)
-find_package(pybind11 CONFIG QUIET)
-if(NOT pybind11_FOUND)
+# The module must share pybind11's internals with torch's own module (that is how a Python
+# ProcessGroup, GradBucket or Reducer reaches C++ here), so it must use the pybind11 torch was
+# built with: pip's torch ships those headers in its include directory; Debian's torch uses the
+# system pybind11 (pybind11-dev).
+set(_ddpx_torch_pybind11 "")
+foreach(_inc IN LISTS TORCH_INCLUDE_DIRS)
+  if(NOT _ddpx_torch_pybind11 AND EXISTS "${_inc}/pybind11/pybind11.h"
+     AND NOT _inc STREQUAL "/usr/include")
+    set(_ddpx_torch_pybind11 "${_inc}")
+  endif()
+endforeach()
+if(_ddpx_torch_pybind11)
+  message(STATUS "ddpx: using torch's bundled pybind11 headers in ${_ddpx_torch_pybind11}")
+  set(pybind11_FOUND OFF)
+else()
+  find_package(pybind11 CONFIG QUIET)
+endif()
+if(NOT pybind11_FOUND AND NOT _ddpx_torch_pybind11)
   # pip torch ships pybind11's headers in its include directory.
   execute_process(COMMAND "${Python_EXECUTABLE}" -c "import pybind11;print(pybind11.get_cmake_dir())"
     RESULT_VARIABLE _rc OUTPUT_VARIABLE _pyb_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
@@ -23,6 +39,8 @@ if(pybind11_FOUND)
   pybind11_add_module(_C MODULE ${_ddpx_py_sources})
 else()
   Python_add_library(_C MODULE WITH_SOABI ${_ddpx_py_sources})
+  target_compile_options(_C PRIVATE -fvisibility=hidden)
+  set_target_properties(_C PROPERTIES PREFIX "")
 endif()
 target_link_libraries(_C PRIVATE ddpx ${TORCH_PYTHON_LIBRARY})
 target_compile_definitions(_C PRIVATE TORCH_EXTENSION_NAME=_C)
