@@ -96,4 +96,21 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
                         scale);
 }
 
+void sum_row_list_into(const std::vector<at::Tensor>& rows, const at::Tensor& dst, double scale) {
+  TORCH_CHECK(!rows.empty(), "ddpx::sum_row_list_into: no rows");
+  std::vector<const void*> ptrs;
+  ptrs.reserve(rows.size());
+  for (const at::Tensor& r : rows) {
+    check_pair(r, dst, "ddpx::sum_row_list_into");
+    TORCH_CHECK(r.device().is_cpu(), "ddpx::sum_row_list_into: CPU tensors only, got ", r.device());
+    TORCH_CHECK(r.numel() == dst.numel() && r.scalar_type() == rows[0].scalar_type(),
+                "ddpx::sum_row_list_into: rows must match dst in size and share one dtype");
+    ptrs.push_back(r.data_ptr());
+  }
+  const auto st = to_kernel_dtype(rows[0].scalar_type(), "source tensor");
+  const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
+  kernels::sum_row_ptrs_cpu(ptrs.data(), st, static_cast<int64_t>(rows.size()), dst.numel(),
+                            dst.data_ptr(), dt, scale);
+}
+
 }  // namespace ddpx

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -228,16 +229,16 @@ void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64
   }
 }
 
-void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
-                  double scale) {
+void sum_row_ptrs_cpu(const void* const* rows, DType src_t, int64_t nrows, int64_t n, void* dst,
+                      DType dst_t, double scale) {
   check_dtype(src_t);
   check_dtype(dst_t);
-  if (rows < 1) throw std::invalid_argument("ddpx sum_rows_cpu: rows must be >= 1");
+  if (nrows < 1) throw std::invalid_argument("ddpx sum_rows_cpu: rows must be >= 1");
   if (n <= 0) return;
   if (src_t == DType::kFloat64 || dst_t == DType::kFloat64) {
     for (int64_t i = 0; i < n; ++i) {
-      double acc = 0;
-      for (int64_t r = 0; r < rows; ++r) acc += load_one_f64(src, src_t, r * n + i);
+      double acc = load_one_f64(rows[0], src_t, i);  // from row 0, so -0.0 sums stay -0.0
+      for (int64_t r = 1; r < nrows; ++r) acc += load_one_f64(rows[r], src_t, i);
       store_one_f64(acc * scale, dst, dst_t, i);
     }
     return;
@@ -247,9 +248,9 @@ void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* d
   alignas(64) float tmp[kBlock];
   for (int64_t off = 0; off < n; off += kBlock) {
     const int64_t m = n - off < kBlock ? n - off : kBlock;
-    load_f32(src, src_t, off, m, acc);
-    for (int64_t r = 1; r < rows; ++r) {
-      load_f32(src, src_t, r * n + off, m, tmp);
+    load_f32(rows[0], src_t, off, m, acc);
+    for (int64_t r = 1; r < nrows; ++r) {
+      load_f32(rows[r], src_t, off, m, tmp);
       for (int64_t i = 0; i < m; ++i) acc[i] += tmp[i];
     }
     if (fscale != 1.0f) {
@@ -257,6 +258,18 @@ void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* d
     }
     store_f32(acc, dst, dst_t, off, m);
   }
+}
+
+void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
+                  double scale) {
+  check_dtype(src_t);
+  if (rows < 1) throw std::invalid_argument("ddpx sum_rows_cpu: rows must be >= 1");
+  std::vector<const void*> ptrs(static_cast<size_t>(rows));
+  const size_t row_bytes = static_cast<size_t>(n > 0 ? n : 0) * dtype_size(src_t);
+  for (int64_t r = 0; r < rows; ++r) {
+    ptrs[static_cast<size_t>(r)] = static_cast<const char*>(src) + static_cast<size_t>(r) * row_bytes;
+  }
+  sum_row_ptrs_cpu(ptrs.data(), src_t, rows, n, dst, dst_t, scale);
 }
 
 }  // namespace kernels

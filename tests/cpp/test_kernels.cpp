@@ -426,8 +426,8 @@ void reference_scaled_cast(const Buffer& src, Buffer& dst, float scale) {
 void reference_sum_rows(const Buffer& src, int64_t rows, int64_t n, Buffer& dst, float scale) {
   for (int64_t i = 0; i < n; ++i) {
     if (involves_f64(src.dtype, dst.dtype)) {
-      double acc = 0;
-      for (int64_t r = 0; r < rows; ++r) acc += src.value(r * n + i);
+      double acc = src.value(i);  // from row 0, like the kernels: -0.0 rows sum to -0.0
+      for (int64_t r = 1; r < rows; ++r) acc += src.value(r * n + i);
       dst.set(i, acc * static_cast<double>(scale));
     } else {
       float acc = static_cast<float>(src.value(i));

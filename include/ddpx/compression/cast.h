@@ -2,6 +2,8 @@
 // device, and launches CUDA work on the current stream of the tensors' device.
 #pragma once
 
+#include <vector>
+
 #include <ATen/core/Tensor.h>
 
 #include <ddpx/compression/kernels.h>
@@ -21,5 +23,9 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
 // dst = cast(scale * sum over the first dimension of src), src of shape [rows, dst.numel()].
 // Accumulates in fp32 (fp64 for fp64 tensors).
 void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale);
+
+// dst = cast(scale * (rows[0] + rows[1] + ...)), in that order; CPU tensors of one dtype, each
+// contiguous with dst.numel() elements. Accumulates in fp32 (fp64 for fp64 tensors).
+void sum_row_list_into(const std::vector<at::Tensor>& rows, const at::Tensor& dst, double scale);
 
 }  // namespace ddpx

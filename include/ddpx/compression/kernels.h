@@ -29,6 +29,11 @@ void scaled_cast_cpu(const void* src, DType src_t, void* dst, DType dst_t, int64
 void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
                   double scale);
 
+// Same, with the rows anywhere: dst[i] = cast<dst_t>(scale * sum_r rows[r][i]), summed in the
+// order of `rows`. Lets a caller sum its own values in place with received ones, uncopied.
+void sum_row_ptrs_cpu(const void* const* rows, DType src_t, int64_t nrows, int64_t n, void* dst,
+                      DType dst_t, double scale);
+
 // Scalar reference conversions (IEEE binary16 and bfloat16, round to nearest even, NaN kept).
 // Exposed for tests and for code that converts single values.
 float half_bits_to_float(uint16_t h);
