@@ -33,19 +33,17 @@ import argparse
 import copy
 import json
 import os
-import platform
-import socket
-import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bench_common as bc
+from bench_common import flat_grads, fmt, step
 
 # name -> (who, path, description)
 CONFIGS = {
@@ -84,21 +82,6 @@ PAIRS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_model(args) -> torch.nn.Module:
-    torch.manual_seed(0)
-    act = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU}[args.activation]
-    layers: List[torch.nn.Module] = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), act()]
-    return torch.nn.Sequential(*layers)
-
-
 def available_configs(backend: str, device: torch.device) -> List[str]:
     names = list(CONFIGS)
     if not (backend == "nccl" and device.type == "cuda"):
@@ -131,15 +114,6 @@ def register(name: str, ddp: DDP, ddpx) -> None:
             ddp.register_comm_hook(None, hook)
         else:
             ddpx.register_comm_hook(ddp, None, hook)
-
-
-def flat_grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1).float() for p in model.parameters()])
-
-
-def step(ddp: DDP, x: torch.Tensor, y: torch.Tensor) -> None:
-    loss = torch.nn.functional.mse_loss(ddp(x), y)
-    loss.backward()
 
 
 def verify(ddps: Dict[str, DDP], base: torch.nn.Module, x, y, world: int) -> dict:
@@ -227,49 +201,24 @@ def verify(ddps: Dict[str, DDP], base: torch.nn.Module, x, y, world: int) -> dic
         dist.broadcast(g0, src=0)
         if not torch.equal(g0, g):
             record(f"{name}: ranks agree", False, "rank differs from rank 0")
-    # Combine: a check fails if it fails on any rank.
-    flags = torch.tensor([0.0 if c["ok"] else 1.0 for c in checks.values()], dtype=torch.float64,
-                         device=x.device)  # NCCL reduces device tensors only
-    dist.all_reduce(flags)
-    for (check, c), f in zip(checks.items(), flags.tolist()):
-        c["ok"] = f == 0.0
-    return checks
+    return bc.combine_checks(checks, x.device)
 
 
 def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda":
-        torch.cuda.set_device(0 if backend == "gloo" else rank)
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = bc.init_rank(rank, args, backend, world, port)
     import ddpx  # after init: a clear ImportError here names the torch mismatch
 
-    base = build_model(args).to(device)  # copies below are made on the device
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.batch, args.width, generator=gen).to(device)
-    y = torch.randn(args.batch, args.width, generator=gen).to(device)
+    base = bc.build_model(args).to(device)  # copies below are made on the device
+    x, y = bc.make_data(args, rank, device)
 
-    names = available_configs(backend, device)
-    if args.configs:
-        wanted = args.configs.split(",")
-        unknown = [n for n in wanted if n not in CONFIGS]
-        if unknown:
-            raise SystemExit(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-        names = [n for n in names if n in wanted]
+    names = bc.select_configs(available_configs(backend, device), CONFIGS, args.configs)
     ddps: Dict[str, DDP] = {}
     for name in names:
-        m = copy.deepcopy(base)
-        kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
-        ddp = DDP(m, bucket_cap_mb=args.bucket_cap_mb, **kw)
+        ddp = bc.make_ddp(base, device, args.bucket_cap_mb)
         register(name, ddp, ddpx)
         ddps[name] = ddp
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = bc.sync_of(device)
     checks = {} if args.no_verify else verify(ddps, base, x, y, world)
 
     for name, ddp in ddps.items():  # warm-up (the verify step was the first)
@@ -279,49 +228,20 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
             ddp.zero_grad(set_to_none=True)
         sync()
 
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    t_start = time.perf_counter()
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            ddp = ddps[name]
-            dist.barrier()  # a noop config lets ranks drift apart: start each block together
-            sync()
-            for _ in range(args.steps):
-                ddp.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                step(ddp, x, y)
-                sync()
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    wall = time.perf_counter() - t_start
+    times, wall = bc.timed_rounds(ddps, names, args, x, y, sync)
 
-    gathered: List[Dict[str, List[float]]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, times)
+    gathered = bc.gather_times(times, world)
     if rank == 0:
         results = {}
         for name in names:
-            per_step = [max(ts[name][i] for ts in gathered) for i in range(len(times[name]))]
-            q = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [per_step[0]] * 3
-            results[name] = {
-                "who": CONFIGS[name][0], "path": CONFIGS[name][1], "hook": CONFIGS[name][2],
-                "median_ms": statistics.median(per_step), "p25_ms": q[0], "p75_ms": q[2],
-                "steps": len(per_step),
-                "round_medians_ms": [statistics.median(per_step[r * args.steps:(r + 1) * args.steps])
-                                     for r in range(args.rounds)],
-                "rank_medians_ms": [statistics.median(ts[name]) for ts in gathered],
-            }
+            results[name] = {"who": CONFIGS[name][0], "path": CONFIGS[name][1],
+                             "hook": CONFIGS[name][2], **bc.step_stats(name, gathered, args)}
         nparams = sum(p.numel() for p in base.parameters())
-        info = {
-            "backend": backend, "world_size": world, "device": str(device),
-            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                            else platform.processor() or platform.machine()),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "threads_per_rank": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "model": f"{args.layers} x Linear({args.width},{args.width})+{args.activation}",
-            "params": nparams, "grad_mb": nparams * 4 / 2**20, "batch": args.batch,
+        info = bc.run_info(args, backend, world, device, nparams)
+        info.update({
             "bucket_cap_mb": args.bucket_cap_mb, "rounds": args.rounds, "steps": args.steps,
             "timed_wall_s": wall, "ddpx_cpu_fast_half": bool(ddpx._C.cpu_has_fast_half()),
-        }
+        })
         with open(out_path, "w") as f:
             json.dump({"info": info, "verify": checks, "results": results}, f)
     dist.barrier()
@@ -337,9 +257,9 @@ def analyse(run: dict) -> dict:
         r["overhead_vs_torch_noop_ms"] = r["median_ms"] - tbase if tbase is not None else None
         # Paired in time: per round, this config's median step minus the baseline's median
         # step in the same round; the median over rounds cancels slow drift of the machine.
-        r["overhead_paired_ms"] = (statistics.median(
-            a - b for a, b in zip(r["round_medians_ms"], res[BASELINE]["round_medians_ms"]))
-            if base is not None else None)
+        r["overhead_paired_ms"] = (bc.paired_median(r["round_medians_ms"],
+                                                    res[BASELINE]["round_medians_ms"])
+                                   if base is not None else None)
     ratios = []
     for t, d in PAIRS:
         if t in res and d in res:
@@ -358,18 +278,13 @@ def analyse(run: dict) -> dict:
             continue
         for ref in fp32:
             # Paired per round as well: (16-bit config - fp32 config) in the same round.
-            diff = statistics.median(a - b for a, b in zip(res[d]["round_medians_ms"],
-                                                           res[ref]["round_medians_ms"]))
+            diff = bc.paired_median(res[d]["round_medians_ms"], res[ref]["round_medians_ms"])
             targets.append({
                 "ddpx": d, "fp32_ref": ref, "ddpx_overhead_ms": res[d]["overhead_paired_ms"],
                 "fp32_overhead_ms": res[ref]["overhead_paired_ms"], "paired_diff_ms": diff,
                 "met": diff <= 0.0})
     run["targets"] = targets
     return run
-
-
-def fmt(v, spec=".1f"):
-    return "-" if v is None else format(v, spec)
 
 
 def print_report(run: dict) -> None:
@@ -417,11 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default=None,
                    help="comma-separated; default gloo on cpu, nccl,gloo on cuda")
     p.add_argument("--world-size", type=int, default=2, help="ranks for gloo (nccl: GPUs, max)")
-    p.add_argument("--layers", type=int, default=None, help="default 8 (cpu) / 16 (cuda)")
-    p.add_argument("--width", type=int, default=None, help="default 1024 (cpu) / 4096 (cuda)")
-    p.add_argument("--batch", type=int, default=None, help="per rank; default 4 (cpu) / 512 (cuda)")
-    p.add_argument("--activation", choices=["relu", "gelu"], default=None,
-                   help="default relu (cpu) / gelu (cuda)")
+    bc.add_model_args(p)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4, help="steps per config per round")
@@ -434,46 +345,23 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="", help="write all results to this file")
     args = p.parse_args(argv)
 
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
-    args.layers = args.layers or (16 if cuda else 8)
-    args.width = args.width or (4096 if cuda else 1024)
-    args.batch = args.batch or (512 if cuda else 4)
-    args.activation = args.activation or ("gelu" if cuda else "relu")
+    cuda = bc.model_defaults(args)
     backends = (args.backends or ("nccl,gloo" if cuda else "gloo")).split(",")
 
     runs = []
     for backend in backends:
-        if backend == "nccl":
-            if not cuda:
-                raise SystemExit("nccl needs --device cuda")
-            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
-            world = max(1, min(args.world_size, torch.cuda.device_count()))
-        else:
-            world = args.world_size
+        world = bc.world_of(backend, args, cuda)
         if args.threads == 0 and not cuda:
             args.threads = max(1, (os.cpu_count() or 1) // world)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rank0.json")
-            t0 = time.perf_counter()
-            mp.spawn(worker, args=(args, backend, world, free_port(), out), nprocs=world,
-                     join=True)
-            with open(out) as f:
-                run = analyse(json.load(f))
-            run["info"]["total_wall_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run = analyse(bc.spawn_run(worker, args, backend, world))
+        run["info"]["total_wall_s"] = time.perf_counter() - t0
         print_report(run)
         runs.append(run)
 
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "runs": runs}, f, indent=1)
-    failed = [c for run in runs for c, v in run["verify"].items() if not v["ok"]]
-    if failed:
-        print(f"\nverify FAILED: {failed}", file=sys.stderr)
-        return 1
-    return 0
+        bc.write_json(args.json, runs)
+    return bc.report_failed(runs)
 
 
 if __name__ == "__main__":

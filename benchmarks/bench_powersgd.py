@@ -71,11 +71,8 @@ import copy
 import json
 import math
 import os
-import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from typing import Dict, List, Optional
@@ -86,6 +83,9 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tpsgd
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bench_common as bc
+from bench_common import flat_grads, fmt, free_port, step
 
 BASELINE = "ddpx_noop_native"
 VERIFY_RTOL = 1e-5
@@ -113,21 +113,6 @@ def config_table(ranks: List[int]) -> Dict[str, dict]:
         v.setdefault("rank", None)
         v.setdefault("esize", 4)
     return c
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_model(args) -> torch.nn.Module:
-    torch.manual_seed(0)
-    act = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU}[args.activation]
-    layers: List[torch.nn.Module] = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), act()]
-    return torch.nn.Sequential(*layers)
 
 
 def bucket_settings(args, nparams: int) -> float:
@@ -170,15 +155,6 @@ def register(name: str, cfg: dict, ddp: DDP, state, ddpx) -> None:
         ddp.register_comm_hook(state, hook)
     else:
         ddpx.register_comm_hook(ddp, state, hook)
-
-
-def flat_grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1).float() for p in model.parameters()])
-
-
-def step(ddp: DDP, x: torch.Tensor, y: torch.Tensor) -> None:
-    loss = torch.nn.functional.mse_loss(ddp(x), y)
-    loss.backward()
 
 
 def stats_of(state) -> Optional[List[int]]:
@@ -254,43 +230,21 @@ def verify(grads: Dict[str, torch.Tensor], exact: torch.Tensor, cfgs: Dict[str, 
             dist.broadcast(g0, src=0)
             if not torch.equal(g0.cpu(), g):
                 record(f"{name}: ranks agree", False, "rank differs from rank 0")
-    flags = torch.tensor([0.0 if c["ok"] else 1.0 for c in checks.values()],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(flags)
-    for c, f in zip(checks.values(), flags.tolist()):
-        c["ok"] = f == 0.0
-    return checks
+    return bc.combine_checks(checks, device)
 
 
 def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda":
-        torch.cuda.set_device(0 if backend == "gloo" else rank)
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = bc.init_rank(rank, args, backend, world, port)
     import ddpx  # after init: a clear ImportError here names the torch mismatch
 
-    base = build_model(args).to(device)
+    base = bc.build_model(args).to(device)
     nparams = sum(p.numel() for p in base.parameters())
     cap = bucket_settings(args, nparams)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.batch, args.width, generator=gen).to(device)
-    y = torch.randn(args.batch, args.width, generator=gen).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x, y = bc.make_data(args, rank, device)
+    sync = bc.sync_of(device)
 
     cfgs = config_table(args.ranks)
-    names = list(cfgs)
-    if args.configs:
-        wanted = args.configs.split(",")
-        unknown = [n for n in wanted if n not in cfgs]
-        if unknown:
-            raise SystemExit(f"unknown configs {unknown}; choose from {names}")
-        names = [n for n in names if n in wanted or n == BASELINE]
+    names = bc.select_configs(list(cfgs), cfgs, args.configs, keep=BASELINE)
 
     # Floor: copy bandwidth, measured on rank 0 alone (the other ranks wait).
     copy_bw = None
@@ -301,9 +255,7 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
     ddps: Dict[str, DDP] = {}
     states = {}
     for name in names:
-        m = copy.deepcopy(base)
-        kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
-        ddp = DDP(m, bucket_cap_mb=cap, **kw)
+        ddp = bc.make_ddp(base, device, cap)
         states[name] = make_state(name, cfgs[name], args, ddpx)
         register(name, cfgs[name], ddp, states[name], ddpx)
         ddps[name] = ddp
@@ -337,33 +289,16 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
     del first
 
     stats0 = {n: stats_of(states[n]) for n in names}
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    t_start = time.perf_counter()
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            ddp = ddps[name]
-            dist.barrier()
-            sync()
-            for _ in range(args.steps):
-                ddp.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                step(ddp, x, y)
-                sync()
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    wall = time.perf_counter() - t_start
+    times, wall = bc.timed_rounds(ddps, names, args, x, y, sync)
     stats1 = {n: stats_of(states[n]) for n in names}
 
-    gathered: List[Dict[str, List[float]]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, times)
+    gathered = bc.gather_times(times, world)
     if rank == 0:
         timed = args.rounds * args.steps
         ring = 2 * (world - 1) / world
         results = {}
         for name in names:
             cfg = cfgs[name]
-            per_step = [max(ts[name][i] for ts in gathered) for i in range(len(times[name]))]
-            q = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [per_step[0]] * 3
             if cfg["rank"] is not None:
                 before = (stats1[name][0] - stats0[name][0]) / timed
                 after = (stats1[name][1] - stats0[name][1]) / timed
@@ -373,23 +308,13 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
                 before, after = float(nparams), float(nparams)
             payload = after * cfg["esize"]
             results[name] = dict(
-                cfg, median_ms=statistics.median(per_step), p25_ms=q[0], p75_ms=q[2],
-                steps=len(per_step),
-                round_medians_ms=[statistics.median(per_step[k * args.steps:(k + 1) * args.steps])
-                                  for k in range(args.rounds)],
-                rank_medians_ms=[statistics.median(ts[name]) for ts in gathered],
+                cfg, **bc.step_stats(name, gathered, args),
                 numel_before_per_step=before, numel_after_per_step=after,
                 compression_rate=(before / after) if after else None,
                 payload_bytes_per_step=payload, ring_bytes_sent_per_rank=payload * ring,
             )
-        info = {
-            "backend": backend, "world_size": world, "device": str(device),
-            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                            else platform.processor() or platform.machine()),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "threads_per_rank": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "model": f"{args.layers} x Linear({args.width},{args.width})+{args.activation}",
-            "params": nparams, "grad_mb": nparams * 4 / 2**20, "batch": args.batch,
+        info = bc.run_info(args, backend, world, device, nparams)
+        info.update({
             "bucket_cap_mb": cap, "bucket_mode": args.bucket_cap_mb,
             "buckets_per_step": sorted(set(buckets.values())) if buckets else None,
             "start_powerSGD_iter": args.start_iter, "warmup": args.warmup,
@@ -397,7 +322,7 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
             "rounds": args.rounds, "steps": args.steps, "timed_wall_s": wall,
             "copy_bw_gbs": copy_bw / 1e9, "ring_factor": ring,
             "ddpx_commit": os.environ.get("DDPX_COMMIT", ""),
-        }
+        })
         with open(out_path, "w") as f:
             json.dump({"info": info, "verify": checks, "results": results}, f)
     dist.barrier()
@@ -413,10 +338,8 @@ def race_worker(rank: int, args, impl: str, world: int, port: int, steps: int) -
     torch.set_num_threads(max(1, args.threads))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import ddpx
-    model = build_model(args)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.batch, args.width, generator=gen)
-    y = torch.randn(args.batch, args.width, generator=gen)
+    model = bc.build_model(args)
+    x, y = bc.make_data(args, rank)
     ddp = DDP(model, bucket_cap_mb=args.race_bucket_cap_mb)  # DDP's default buckets
     kw = dict(matrix_approximation_rank=1, start_powerSGD_iter=args.start_iter)
     if impl == "torch":
@@ -512,8 +435,8 @@ def analyse(run: dict) -> dict:
     base = res[BASELINE]
     for r in res.values():
         r["overhead_ms"] = r["median_ms"] - base["median_ms"]
-        r["overhead_paired_ms"] = statistics.median(
-            a - b for a, b in zip(r["round_medians_ms"], base["round_medians_ms"]))
+        r["overhead_paired_ms"] = bc.paired_median(r["round_medians_ms"],
+                                                   base["round_medians_ms"])
     info = run["info"]
     gb = info["params"] * 4
     bw = info["copy_bw_gbs"] * 1e9
@@ -546,10 +469,6 @@ def analyse(run: dict) -> dict:
                                 "value": v, "met": v is not None and v <= 0.5})
     run["targets"] = targets
     return run
-
-
-def fmt(v, spec=".1f"):
-    return "-" if v is None else format(v, spec)
 
 
 def mb(v):
@@ -610,15 +529,7 @@ def print_report(run: dict) -> None:
               f"{'supported' if tb['supported'] else 'UNSUPPORTED'}"
               f"{(' - ' + tb['error'] + ' at ' + tb.get('where', '')) if tb.get('error') else ''}")
     if run.get("race"):
-        rc = run["race"]
-        print(f"\nrace check ({rc['trials']} jobs each, rank 1, {rc['steps']} steps, bucket_cap_mb "
-              f"{rc['bucket_cap_mb']:g}, timeout {rc['timeout_s']} s):")
-        for impl in ("torch", "ddpx"):
-            d = rc[impl]
-            print(f"  {impl} powerSGD_hook: ok {d['ok']}, abort {d['abort']}, hang {d['hang']} "
-                  f"({d['wall_s']:.0f} s)")
-            for o in sorted(set(o for o in d["outcomes"] if o != "ok")):
-                print(f"    {o}")
+        print_report_race_only(run)
     sys.stdout.flush()
 
 
@@ -681,11 +592,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", default=None, help="default gloo (cpu) / nccl (cuda)")
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (nccl: 1 per GPU, max)")
-    p.add_argument("--layers", type=int, default=None, help="default 8 (cpu) / 16 (cuda)")
-    p.add_argument("--width", type=int, default=None, help="default 1024 (cpu) / 4096 (cuda)")
-    p.add_argument("--batch", type=int, default=None, help="per rank; default 4 (cpu) / 512 (cuda)")
-    p.add_argument("--activation", choices=["relu", "gelu"], default=None,
-                   help="default relu (cpu) / gelu (cuda)")
+    bc.add_model_args(p)
     p.add_argument("--ranks", default="1,2,4,32", help="matrix_approximation_rank values")
     p.add_argument("--start-iter", type=int, default=2, help="start_powerSGD_iter")
     p.add_argument("--min-compression-rate", type=float, default=2.0)
@@ -719,13 +626,7 @@ def main(argv=None) -> int:
     if args.summarize:
         summarize(args.summarize)
         return 0
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
-    args.layers = args.layers or (16 if cuda else 8)
-    args.width = args.width or (4096 if cuda else 1024)
-    args.batch = args.batch or (512 if cuda else 4)
-    args.activation = args.activation or ("gelu" if cuda else "relu")
+    cuda = bc.model_defaults(args)
     args.rounds = args.rounds or (6 if cuda else 5)
     args.steps = args.steps or (4 if cuda else 2)
     args.copy_reps = args.copy_reps or (20 if cuda else 7)
@@ -734,12 +635,7 @@ def main(argv=None) -> int:
         raise SystemExit("--start-iter must be >= 2 (torch's PowerSGDState requires it with "
                          "error feedback)")
     backend = args.backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl":
-        if not cuda:
-            raise SystemExit("nccl needs --device cuda")
-        world = max(1, min(args.world_size, torch.cuda.device_count()))
-    else:
-        world = args.world_size
+    world = bc.world_of(backend, args, cuda)
     if args.bucket_cap_mb is None:
         args.bucket_cap_mb = "one" if (backend == "gloo" and world > 1) else "25"
     if args.threads == 0 and not cuda:
@@ -749,12 +645,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     load0 = os.getloadavg()
     if not args.race_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rank0.json")
-            mp.spawn(worker, args=(args, backend, world, free_port(), out), nprocs=world,
-                     join=True)
-            with open(out) as f:
-                run = analyse(json.load(f))
+        run = analyse(bc.spawn_run(worker, args, backend, world))
         if not args.no_probe:
             run["torch_batched"] = probe_torch_batched("cuda:0" if cuda else "cpu")
     if args.race_trials > 0:
@@ -773,14 +664,8 @@ def main(argv=None) -> int:
     elif "race" in run:
         print_report_race_only(run)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "runs": [run]}, f, indent=1)
-    failed = [c for c, v in run.get("verify", {}).items() if not v["ok"]]
-    if failed:
-        print(f"\nverify FAILED: {failed}", file=sys.stderr)
-        return 1
-    return 0
+        bc.write_json(args.json, [run])
+    return bc.report_failed([run])
 
 
 def print_report_race_only(run: dict) -> None:
