@@ -178,6 +178,18 @@ void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err) {
     return;
   }
 #endif
+  if (input.device().is_cpu() && input.is_contiguous() && err.is_contiguous()) {
+    if (input.scalar_type() == at::kFloat) {
+      kernels::error_feedback_apply_cpu(input.data_ptr<float>(), err.data_ptr<float>(),
+                                        input.numel());
+      return;
+    }
+    if (input.scalar_type() == at::kDouble) {
+      kernels::error_feedback_apply_cpu(input.data_ptr<double>(), err.data_ptr<double>(),
+                                        input.numel());
+      return;
+    }
+  }
   err.add_(input.view(err.sizes()));
   input.copy_(err.view(input.sizes()));
 }

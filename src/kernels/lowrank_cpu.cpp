@@ -79,7 +79,22 @@ inline void reconstruct(const T* P, const T* Q, int64_t n, int64_t m, int64_t r,
   }
 }
 
+template <typename T>
+inline void ef_apply(T* in, T* err, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = err[i] + in[i];
+    err[i] = v;
+    in[i] = v;
+  }
+}
+
 }  // namespace
+
+DDPX_CLONES void error_feedback_apply_cpu(float* in, float* err, int64_t n) { ef_apply(in, err, n); }
+DDPX_CLONES void error_feedback_apply_cpu(double* in, double* err, int64_t n) {
+  ef_apply(in, err, n);
+}
 
 DDPX_CLONES void lowrank_project_cpu(const float* M, int64_t n, int64_t m, const float* Q,
                                      int64_t r, float* P) {

@@ -25,5 +25,10 @@ void lowrank_reconstruct_cpu(const float* P, const float* Q, int64_t n, int64_t 
 void lowrank_reconstruct_cpu(const double* P, const double* Q, int64_t n, int64_t m, int64_t r,
                              double* M);
 
+// err[i] += in[i]; in[i] = err[i]: PowerSGD's error-feedback application in one pass (two reads,
+// two writes; as separate add and copy it is three reads and two writes).
+void error_feedback_apply_cpu(float* in, float* err, int64_t n);
+void error_feedback_apply_cpu(double* in, double* err, int64_t n);
+
 }  // namespace kernels
 }  // namespace ddpx
