@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

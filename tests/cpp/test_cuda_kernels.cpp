@@ -2,6 +2,8 @@
 // bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical NaNs).
 // Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
 #include <cuda_runtime_api.h>
+
+#include "cuda_test_utils.h"
 #include <ddpx/compression/kernels.h>
 #include <ddpx/compression/kernels_cuda.h>
 #include <gtest/gtest.h>
@@ -20,34 +22,6 @@ namespace {
 
 namespace k = ddpx::kernels;
 using k::DType;
-
-// True when at least one CUDA device is usable; otherwise says why in *why.
-bool cuda_device_available(std::string* why) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
-    (void)cudaGetLastError();  // clear the sticky-free error state
-    return false;
-  }
-  if (count == 0) {
-    *why = "cudaGetDeviceCount returned 0";
-    return false;
-  }
-  return true;
-}
-
-#define DDPX_SKIP_WITHOUT_GPU()                              \
-  do {                                                       \
-    std::string why_;                                        \
-    if (!cuda_device_available(&why_)) GTEST_SKIP() << why_; \
-  } while (0)
-
-#define DDPX_ASSERT_CUDA(expr)                                                 \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
 
 // Device allocation freed on scope exit.
 struct DeviceBuffer {

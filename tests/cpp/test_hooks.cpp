@@ -293,6 +293,20 @@ INSTANTIATE_TEST_SUITE_P(Gloo, HookTest, ::testing::ValuesIn(all_cases()),
 
 // ---- behaviour beyond one bucket ------------------------------------------------------------
 
+// Runs fp16_compress_hook on `buffer` (kAuto: the factory, as users get it; otherwise the class
+// with that exchange mode) and waits for it.
+c10::intrusive_ptr<c10::ivalue::Future> run_fp16_hook(const ProcessGroupPtr& pg, ExchangeMode m,
+                                                      const at::Tensor& buffer) {
+  CommHookPtr hook = m == ExchangeMode::kAuto
+                         ? ddpx::hooks::fp16_compress_hook(pg)
+                         : std::make_shared<ddpx::hooks::CompressHook>(pg, at::kHalf, m);
+  auto bucket = ddpx_test::make_bucket(buffer);
+  auto fut = hook->runHook(bucket->get());
+  fut->wait();
+  return fut;
+}
+
+
 // fp16_compress_hook divides *before* casting. Rank 0 holds gradients in [1.2, 1.5) * W * 32752
 // (>= 65520 for W >= 2: they overflow fp16 unless divided by W first), the other ranks ordinary
 // values, so that the mean fits fp16. With every rank near the top, the mean may exceed 65504:
@@ -332,12 +346,7 @@ TEST(HookNumerics, Fp16CompressDividesBeforeCasting) {
                                    (all_large ? ", all ranks large, " : ", rank 0 large, ") +
                                    ddpx::hooks::exchange_mode_name(m);
           at::Tensor buffer = input_of(rank);
-          auto bucket = ddpx_test::make_bucket(buffer);
-          CommHookPtr hook = m == ExchangeMode::kAuto
-                                 ? ddpx::hooks::fp16_compress_hook(pg)
-                                 : std::make_shared<ddpx::hooks::CompressHook>(pg, at::kHalf, m);
-          auto fut = hook->runHook(bucket->get());
-          fut->wait();
+          auto fut = run_fp16_hook(pg, m, buffer);
           ASSERT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
           EXPECT_TRUE(at::isfinite(buffer).all().item<bool>()) << what;
           expect_close(buffer, want, (world + 2) * ddpx_test::unit_roundoff(at::kHalf), what);
@@ -374,12 +383,7 @@ TEST(HookNumerics, GlooFp16AllreduceBugIsAvoided) {
     for (ExchangeMode m :
          {ExchangeMode::kAuto, ExchangeMode::kAllgather, ExchangeMode::kAllreduce}) {
       at::Tensor buffer = input_of(rank);
-      auto bucket = ddpx_test::make_bucket(buffer);
-      CommHookPtr hook = m == ExchangeMode::kAuto
-                             ? ddpx::hooks::fp16_compress_hook(pg)
-                             : std::make_shared<ddpx::hooks::CompressHook>(pg, at::kHalf, m);
-      auto fut = hook->runHook(bucket->get());
-      fut->wait();
+      auto fut = run_fp16_hook(pg, m, buffer);
       ASSERT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
       if (m == ExchangeMode::kAllreduce) {
         const auto got = ddpx_test::to_doubles(buffer);

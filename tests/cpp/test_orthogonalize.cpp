@@ -34,6 +34,8 @@
 
 #ifdef DDPX_TEST_CUDA_KERNELS
 #include <cuda_runtime_api.h>
+
+#include "cuda_test_utils.h"
 #include <ddpx/compression/orthogonalize_cuda.h>
 #endif
 
@@ -464,32 +466,6 @@ TEST(ErrorFeedbackApply, RejectsMismatchedBuffers) {
 // ---- CUDA kernels ----------------------------------------------------------------------------
 
 #ifdef DDPX_TEST_CUDA_KERNELS
-bool cuda_device_available(std::string* why) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
-    (void)cudaGetLastError();
-    return false;
-  }
-  if (count == 0) {
-    *why = "cudaGetDeviceCount returned 0";
-    return false;
-  }
-  return true;
-}
-
-#define DDPX_SKIP_WITHOUT_GPU()                              \
-  do {                                                       \
-    std::string why_;                                        \
-    if (!cuda_device_available(&why_)) GTEST_SKIP() << why_; \
-  } while (0)
-
-#define DDPX_ASSERT_CUDA(expr)                                                 \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
 
 // A device copy of a host vector, freed on scope exit.
 template <typename T>
