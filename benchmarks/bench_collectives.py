@@ -3,9 +3,12 @@
 
   allreduce_fp32   dist.all_reduce of n fp32 values        (DDP default, allreduce_hook)
   allreduce_fp16   dist.all_reduce of n fp16 values        (torch's fp16 hooks on Gloo)
-  allgather_16bit  dist.all_gather of the n 16-bit values as bytes (ddpx's Gloo exchange)
-  ddpx_fp16_path   ddpx._C.scaled_cast + allgather + ddpx._C.sum_rows (what the ddpx fp16
-                   hook does per bucket on Gloo, run from Python)
+  allgather_16bit  dist.all_gather of the n 16-bit values as bytes (ddpx's first Gloo exchange)
+  alltoall_16bit   all_to_all_single of the n 16-bit values to each peer (splits of 0 to and from
+                   self) into a reused output buffer: ddpx's Gloo exchange now
+  alltoall_16bit_fresh  the same into a freshly allocated output (page faults included)
+  ddpx_fp16_path   ddpx._C.scaled_cast + alltoall_16bit + ddpx._C.sum_rows (close to what the
+                   ddpx fp16 hook does per bucket on Gloo, run from Python)
   torch_fp16_path  x.to(fp16).div_(W) + allreduce_fp16 + copy back to fp32 (torch's hook)
 
 Time per call = slowest rank, median over --reps calls; the cases are interleaved.
@@ -46,11 +49,22 @@ def worker(rank, args, world, port, out_path):
         h = x.half()
         gathered = torch.empty(world, 2 * n, dtype=torch.uint8)
         outs = list(gathered.unbind(0))
+        # Peers-only all-to-all, as ddpx's exchange: one row of this rank's values per peer.
+        splits = [0 if r == rank else 2 * n for r in range(world)]
+        send = torch.empty((world - 1) * 2 * n, dtype=torch.uint8)
+        for r in range(world - 1):
+            send[r * 2 * n:(r + 1) * 2 * n].copy_(h.view(torch.uint8))
+        recv = torch.empty((world - 1) * 2 * n, dtype=torch.uint8)
+        summed = torch.empty(world, n, dtype=torch.float16)  # stands for own row + received
+
+        def alltoall(out):
+            dist.all_to_all_single(out, send, splits, splits)
 
         def ddpx_path():
             c = ddpx._C.scaled_cast(x, torch.float16, 1.0 / world)
-            dist.all_gather(outs, c.view(torch.uint8))
-            return ddpx._C.sum_rows(gathered.view(torch.float16).view(world, n), torch.float32)
+            send[:2 * n].copy_(c.view(torch.uint8))
+            alltoall(recv)
+            return ddpx._C.sum_rows(summed, torch.float32)
 
         def torch_path():
             c = x.to(torch.float16).div_(world)
@@ -61,6 +75,8 @@ def worker(rank, args, world, port, out_path):
             "allreduce_fp32": lambda: dist.all_reduce(x),
             "allreduce_fp16": lambda: dist.all_reduce(h),
             "allgather_16bit": lambda: dist.all_gather(outs, h.view(torch.uint8)),
+            "alltoall_16bit": lambda: alltoall(recv),
+            "alltoall_16bit_fresh": lambda: alltoall(torch.empty_like(recv)),
             "ddpx_fp16_path": ddpx_path,
             "torch_fp16_path": torch_path,
         }
