@@ -34,7 +34,7 @@ if(NOT TORCH_PYTHON_LIBRARY)
   find_library(TORCH_PYTHON_LIBRARY torch_python REQUIRED)
 endif()
 
-set(_ddpx_py_sources src/python/module.cpp)
+set(_ddpx_py_sources src/python/module.cpp src/python/bind_averaging.cpp)
 if(pybind11_FOUND)
   pybind11_add_module(_C MODULE ${_ddpx_py_sources})
 else()

@@ -9,3 +9,4 @@
 #include <ddpx/hooks/noop_hook.h>
 #include <ddpx/hooks/powersgd_hook.h>
 #include <ddpx/hooks/powersgd_state.h>
+#include <ddpx/hooks/post_localsgd_hook.h>

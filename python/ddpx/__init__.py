@@ -6,10 +6,24 @@ Two ways to use a hook, with the same hook objects:
   call, names, arguments and defaults as torch's own hooks;
 * native: ``ddpx.register_comm_hook(ddp_model, state, ddpx.hooks.fp16_compress_hook)`` puts
   the C++ hook straight into DDP's C++ Reducer: no Python runs per bucket during backward.
+
+Post-local SGD: ``ddpx.hooks.post_localSGD_hook`` with ``ddpx.hooks.PostLocalSGDState``, the model
+averagers of ``ddpx.model_averaging`` and ``ddpx.optim.PostLocalSGDOptimizer``.
 """
 from ._loader import _C  # noqa: F401  (raises a clear ImportError on a torch mismatch)
-from . import hooks
+from . import hooks, model_averaging, optim
 from .hooks import register_comm_hook
+from .model_averaging import HierarchicalModelAverager, PeriodicModelAverager
+from .optim import PostLocalSGDOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["hooks", "register_comm_hook", "__version__"]
+__all__ = [
+    "hooks",
+    "model_averaging",
+    "optim",
+    "register_comm_hook",
+    "PeriodicModelAverager",
+    "HierarchicalModelAverager",
+    "PostLocalSGDOptimizer",
+    "__version__",
+]

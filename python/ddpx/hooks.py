@@ -22,6 +22,8 @@ __all__ = [
     "PowerSGDState",
     "powerSGD_hook",
     "batched_powerSGD_hook",
+    "PostLocalSGDState",
+    "post_localSGD_hook",
     "register_comm_hook",
     "native_hook",
 ]
@@ -217,6 +219,42 @@ batched_powerSGD_hook = _make_hook(
     """,
 )
 
+from .post_localsgd import PostLocalSGDState, native_state as _post_local_state  # noqa: E402
+
+_post_localSGD_native = _make_hook(
+    "post_localSGD_hook",
+    lambda state: _C.post_localsgd_hook(_post_local_state(state, "post_localSGD_hook")),
+    "",
+)
+
+
+def post_localSGD_hook(state: PostLocalSGDState,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    native = native_hook(post_localSGD_hook, state)
+    if not state._params_tagged:
+        # First iteration: mark the parameters, for the model averagers' warm-up check.
+        state._tag(bucket.parameters())
+        if bucket.is_last():
+            state._params_tagged = True
+    return native.run(bucket).then(_value)
+
+
+post_localSGD_hook._ddpx_factory = _post_localSGD_native._ddpx_factory  # type: ignore
+post_localSGD_hook._ddpx_name = "post_localSGD_hook"  # type: ignore
+post_localSGD_hook.__doc__ = """Post-local SGD (Lin et al., ICLR 2020), torch's ``post_localSGD_hook``:
+    averages gradients over ``state.process_group`` (bit-identical to ``allreduce_hook``) until
+    ``state.start_localSGD_iter``, then within ``state.subgroup`` only (or not at all when
+    ``state.post_local_gradient_allreduce`` is False). Combine it with a model averager run after
+    the optimizer step, e.g. :class:`ddpx.optim.PostLocalSGDOptimizer` with a
+    :class:`ddpx.model_averaging.PeriodicModelAverager` whose ``warmup_steps`` equals
+    ``start_localSGD_iter``.
+
+    Example::
+        >>> state = ddpx.hooks.PostLocalSGDState(process_group=None, subgroup=None,
+        ...                                      start_localSGD_iter=100)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.post_localSGD_hook)
+    """
+
 fp16_compress_wrapper = _make_wrapper(torch.float16, "fp16_compress_wrapper")
 bf16_compress_wrapper = _make_wrapper(torch.bfloat16, "bf16_compress_wrapper")
 
@@ -241,6 +279,9 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
             f"got {type(ddp_model).__name__}"
         )
     native = native_hook(hook, state)
+    if isinstance(state, PostLocalSGDState):
+        state._tag(ddp_model.parameters())
+        state._params_tagged = True
     if hasattr(ddp_model, "logger") and ddp_model.logger is not None:
         ddp_model.logger._set_comm_hook_name("ddpx." + hook._ddpx_name)
     _C.register_comm_hook(ddp_model.reducer, native)

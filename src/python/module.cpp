@@ -15,28 +15,40 @@
 #include <ddpx/compression/kernels.h>
 #include <ddpx/hooks.h>
 
+#include "bind_utils.h"
+
 namespace py = pybind11;
+using ddpx::python::py_owned;
+using ddpx::python::state_to_ivalue;
 using ddpx::hooks::CommHook;
 using ddpx::hooks::CommHookPtr;
 using ddpx::hooks::ExchangeMode;
 using PG = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-namespace {
+namespace ddpx {
+namespace python {
 
-// Objects handed to Python may hold the last reference to a ProcessGroup. Python drops them with
-// the GIL held; ProcessGroupGloo's destructor then joins worker threads that may be waiting for
-// the GIL to finish a future's Python callback: a deadlock. Deleting without the GIL avoids it.
-template <typename T>
-std::shared_ptr<T> py_owned(T* raw) {
-  return std::shared_ptr<T>(raw, [](T* p) {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release no_gil;
-      delete p;
-    } else {
-      delete p;
+c10::IValue state_to_ivalue(const py::handle& obj) {
+  if (py::isinstance<py::bool_>(obj)) return c10::IValue(obj.cast<bool>());
+  if (py::isinstance<py::int_>(obj)) return c10::IValue(obj.cast<int64_t>());
+  if (py::isinstance<py::float_>(obj)) return c10::IValue(obj.cast<double>());
+  if (py::isinstance<py::str>(obj)) return c10::IValue(obj.cast<std::string>());
+  if (THPVariable_Check(obj.ptr())) return c10::IValue(THPVariable_Unpack(obj.ptr()));
+  if (py::isinstance<py::dict>(obj)) {
+    c10::impl::GenericDict d(c10::AnyType::get(), c10::AnyType::get());
+    for (const auto& kv : obj.cast<py::dict>()) {
+      d.insert(state_to_ivalue(kv.first), state_to_ivalue(kv.second));
     }
-  });
+    return c10::IValue(d);
+  }
+  TORCH_CHECK_TYPE(false, "load_state_dict: unsupported value of type ",
+                   py::str(py::type::of(obj)).cast<std::string>());
 }
+
+}  // namespace python
+}  // namespace ddpx
+
+namespace {
 
 // torch.dtype -> at::ScalarType, with an error naming the argument.
 at::ScalarType to_dtype(const py::handle& obj, const char* arg) {
@@ -54,24 +66,6 @@ std::shared_ptr<torch::jit::PythonFutureWrapper> run_hook(const CommHookPtr& hoo
     fut = hook->runHook(bucket);
   }
   return std::make_shared<torch::jit::PythonFutureWrapper>(std::move(fut));
-}
-
-// A checkpoint dict (str keys; int, float, bool, str, Tensor or nested dict values) as an IValue.
-c10::IValue state_to_ivalue(const py::handle& obj) {
-  if (py::isinstance<py::bool_>(obj)) return c10::IValue(obj.cast<bool>());
-  if (py::isinstance<py::int_>(obj)) return c10::IValue(obj.cast<int64_t>());
-  if (py::isinstance<py::float_>(obj)) return c10::IValue(obj.cast<double>());
-  if (py::isinstance<py::str>(obj)) return c10::IValue(obj.cast<std::string>());
-  if (THPVariable_Check(obj.ptr())) return c10::IValue(THPVariable_Unpack(obj.ptr()));
-  if (py::isinstance<py::dict>(obj)) {
-    c10::impl::GenericDict d(c10::AnyType::get(), c10::AnyType::get());
-    for (const auto& kv : obj.cast<py::dict>()) {
-      d.insert(state_to_ivalue(kv.first), state_to_ivalue(kv.second));
-    }
-    return c10::IValue(d);
-  }
-  TORCH_CHECK_TYPE(false, "load_state_dict: unsupported value of type ",
-                   py::str(py::type::of(obj)).cast<std::string>());
 }
 
 }  // namespace
@@ -229,6 +223,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("src"), py::arg("dtype"), py::arg("scale") = 1.0,
       "Returns scale * src.sum(0) in dtype, accumulated in fp32 (the decompression kernel).");
+  ddpx::python::bind_post_local_sgd(m);
+
   m.def("cpu_has_fast_half", &ddpx::kernels::cpu_has_fast_half,
         "True when the CPU kernels use F16C.");
 }
