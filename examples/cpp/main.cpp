@@ -7,6 +7,8 @@
 #include <ddpx/common/compat.h>
 #include <ddpx/hooks.h>
 
+#include "example_utils.h"
+
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -14,7 +16,6 @@
 #include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <vector>
 
@@ -22,23 +23,6 @@ namespace {
 
 constexpr int kWorld = 2;
 constexpr int64_t kNumel = 10000;
-
-// One rank's Gloo process group; returns once all kWorld ranks have joined.
-c10::intrusive_ptr<c10d::ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                  int rank) {
-  auto options = c10d::ProcessGroupGloo::Options::create();
-  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  auto backend = c10::static_intrusive_pointer_cast<c10d::Backend>(
-      c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, kWorld, options));
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, kWorld);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
-  return pg;
-#else
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, kWorld, options);
-#endif
-}
 
 // Rank r's gradients: a deterministic, nonzero pattern every rank can recompute.
 at::Tensor gradient_of(int rank) {
@@ -101,7 +85,7 @@ int main() {
     ranks.emplace_back([&, rank] {
       std::vector<Outcome> mine;
       try {
-        auto pg = make_group(store, rank);
+        auto pg = ddpx_example::make_gloo_group(store, rank, kWorld);
         // Tolerances in units of S: allreduce in fp32 rounds a few times at 2^-24 each;
         // fp16 compression rounds x / W to fp16 (2^-11 relative), sums in fp32 and stores:
         // (W + 2) roundings of at most 2^-11 * S bound it generously.

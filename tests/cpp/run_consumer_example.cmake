@@ -1,5 +1,5 @@
 # ctest cpp_consumer_example: install this build of ddpx, build examples/cpp against the installed
-# package with find_package(ddpx), run the program. Usage (see tests/cpp/CMakeLists.txt):
+# package with find_package(ddpx), run the programs. Usage (see tests/cpp/CMakeLists.txt):
 #   cmake -DDDPX_BUILD_DIR=... -DDDPX_EXAMPLE_SOURCE_DIR=... [-DDDPX_GENERATOR=Ninja]
 #         [-DDDPX_MAKE_PROGRAM=...] [-DDDPX_CXX_COMPILER=...] [-DDDPX_CCACHE=...]
 #         [-DDDPX_TORCH_DIR=...] [-DDDPX_BUILD_TYPE=...] -P run_consumer_example.cmake
@@ -57,7 +57,9 @@ execute_process(COMMAND "${CMAKE_COMMAND}" --build "${_build}" --parallel 2
 if(NOT _rc EQUAL 0)
   message(FATAL_ERROR "building examples/cpp failed:\n${_out}\n${_err}")
 endif()
-execute_process(COMMAND "${_build}/ddpx_cpp_example" RESULT_VARIABLE _rc)
-if(NOT _rc EQUAL 0)
-  message(FATAL_ERROR "ddpx_cpp_example failed (exit status ${_rc})")
-endif()
+foreach(_program ddpx_cpp_example ddpx_post_local_sgd_example)
+  execute_process(COMMAND "${_build}/${_program}" RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "${_program} failed (exit status ${_rc})")
+  endif()
+endforeach()
