@@ -12,7 +12,6 @@ Same arguments, defaults, errors and warnings as torch's, and two differences, b
   ``post_localSGD_hook`` registered on the same parameters raises ValueError on its first
   ``average_parameters`` call (torch's documentation requires them to be equal).
 """
-import warnings
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -32,13 +31,6 @@ __all__ = [
 ]
 
 Params = Union[Iterable[torch.nn.Parameter], Iterable[Dict[str, Any]]]
-
-_PERIOD_ONE = (
-    "no need to use model averaging because the communication cost of all-reducing parameters "
-    "will be no less than the cost of all-reducing gradients by DistributedDataParallel in the "
-    "backward pass. Therefore, only DistributedDataParallel should be used for this case."
-)
-
 
 def _bucket_bytes(bucket_cap_mb: float) -> int:
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
@@ -172,8 +164,7 @@ class PeriodicModelAverager(ModelAverager):
             raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
         if period < 1:
             raise ValueError("Arg ``period`` must be a positive value.")
-        elif period == 1:
-            warnings.warn("When period is 1, " + _PERIOD_ONE)
+        # period == 1: the C++ constructor warns (as a Python UserWarning), with torch's text.
         self._cpp = _C.PeriodicModelAverager(int(period), int(warmup_steps),
                                              _native_group(self.process_group),
                                              _bucket_bytes(bucket_cap_mb))
@@ -212,9 +203,7 @@ class HierarchicalModelAverager(ModelAverager):
         if any(p <= 0 for p in periods):
             raise ValueError(
                 "The minimum period in arg ``period_group_size_dict`` must be a positive value.")
-        if periods[-1] == 1:
-            warnings.warn("When the maximum period in arg ``period_group_size_dict`` is 1, "
-                          + _PERIOD_ONE)
+        # A maximum period of 1: the C++ constructor warns, with torch's text.
         overall = dist.get_world_size(group=self.process_group)
         sizes = list(period_group_size_dict.values())
         if sizes[-1] != overall:

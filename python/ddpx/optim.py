@@ -12,7 +12,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     r"""Wraps any :class:`torch.optim.Optimizer` and runs post-local SGD: every :meth:`step`
     runs the local optimizer, then the model averager on its parameter groups. Same behaviour as
     torch's :class:`~torch.distributed.optim.PostLocalSGDOptimizer`: ``param_groups`` and
-    ``state`` are the wrapped optimizer's (so LR schedulers work), :meth:`state_dict` adds the
+    ``state`` are the wrapped optimizer's, read through (so LR schedulers work, also after
+    :meth:`load_state_dict`, where torch's wrapper keeps stale groups), :meth:`state_dict` adds the
     averager's ``step``, :meth:`load_state_dict` restores it (warning and starting at 0 if the
     checkpoint has none). ``step`` also takes a closure, passed to the local optimizer.
 
@@ -44,8 +45,18 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                 f"average_parameters() and step), got {type(averager).__name__}")
         # Deliberately no Optimizer.__init__: the wrapped optimizer owns groups and state.
         self.optim = optim
-        self.param_groups = self.optim.param_groups
         self.averager = averager
+
+    @property
+    def param_groups(self):  # type: ignore[override]
+        """The wrapped optimizer's parameter groups, read through: its ``load_state_dict``
+        replaces them with new dicts, and an LR scheduler on this wrapper must see those (torch's
+        wrapper binds them once, so a resumed scheduler stops reaching the optimizer)."""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.optim.param_groups = groups
 
     @property
     def state(self):  # type: ignore[override]

@@ -58,7 +58,7 @@ PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_step
   TORCH_CHECK_VALUE(period >= 1,
                     "PeriodicModelAverager: Arg ``period`` must be a positive value, got ", period);
   if (period == 1) {
-    TORCH_WARN("PeriodicModelAverager: When period is 1, ", kLargePeriodOneWarning);
+    TORCH_WARN("When period is 1, ", kLargePeriodOneWarning);
   }
 }
 
@@ -99,7 +99,7 @@ HierarchicalModelAverager::HierarchicalModelAverager(
                     overall, " ranks), got ",
                     top ? std::to_string(top->getSize()) + " ranks" : std::string("no group"));
   if (period_groups_.back().first == 1) {
-    TORCH_WARN(who, ": When the maximum period in arg ``period_group_size_dict`` is 1, ",
+    TORCH_WARN("When the maximum period in arg ``period_group_size_dict`` is 1, ",
                kLargePeriodOneWarning);
   }
   check_warmup(who, warmup_steps);

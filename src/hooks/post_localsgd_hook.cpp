@@ -82,8 +82,11 @@ void PostLocalSGDState::load_state_dict(const c10::impl::GenericDict& d) {
     TORCH_CHECK_VALUE(it != d.end(), kWho, ".load_state_dict: missing key '", key, "'");
     return it->value();
   };
-  const c10::IValue format = get("format");
-  TORCH_CHECK_VALUE(format.isString() && format.toStringRef() == "ddpx.PostLocalSGDState/1",
+  // "format" is optional (a hand-written dict of the three values loads too).
+  auto format = d.find(c10::IValue(std::string("format")));
+  TORCH_CHECK_VALUE(format == d.end() || (format->value().isString() &&
+                                          format->value().toStringRef() ==
+                                              "ddpx.PostLocalSGDState/1"),
                     kWho, ".load_state_dict: not a ddpx PostLocalSGDState state_dict");
   const c10::IValue iter = get("iter");
   const c10::IValue start = get("start_localSGD_iter");

@@ -293,13 +293,8 @@ def test_averager_stats_after_training():
 
 # ---- checkpoint / resume ------------------------------------------------------------------------
 
-SCHED_RESUME_BUG = pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug (shared with torch 1.13): after PostLocalSGDOptimizer.load_state_dict the "
-    "wrapper's param_groups are stale (see test_param_groups_follow_load_state_dict): the "
-    "resumed StepLR decays the wrapper's old dicts, the wrapped SGD keeps lr 0.05 * 0.5 ** 3 "
-    "(torch's wrapper in the same harness: max diff 5.9e-3 too)"))
 RESUME_PARAMS = [
-    pytest.param(w, n, id=f"W{w}-{n}", marks=[SCHED_RESUME_BUG] if n == "sched/15" else [])
+    pytest.param(w, n, id=f"W{w}-{n}")
     for w in (2, 4) for n, *_ in RESUME[w] if n not in CONTROLS]
 
 
@@ -349,12 +344,6 @@ def test_optimizer_wrapper_like_torch():
         assert o["add_param_group"] == (2, 0.5, True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug (shared with torch 1.13's wrapper): PostLocalSGDOptimizer.param_groups is bound "
-    "once in __init__; the wrapped optimizer's load_state_dict() rebinds its own param_groups "
-    "to new dicts, so after a resume an LR scheduler on the wrapper changes the old dicts and "
-    "the wrapped optimizer's lr no longer follows it (see test_resume_reproduces_trajectory"
-    "[W2-sched/15])"))
 def test_param_groups_follow_load_state_dict():
     for o in case(2, "optimizer"):
         shared, lr = o["after_load/ddpx"]
@@ -504,14 +493,7 @@ def test_last_group_size_message():
     assert "1" in d[1] and "2" in d[1], d
 
 
-DOUBLE_WARNING_BUG = pytest.mark.xfail(strict=True, reason=(
-    "ddpx bug: the warning for a (maximum) period of 1 is issued twice, by "
-    "model_averaging.py's warnings.warn and again by the C++ constructor's TORCH_WARN "
-    "(\"PeriodicModelAverager: When period is 1, ...\", averagers.cpp); torch issues it once"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[DOUBLE_WARNING_BUG])
-                                  for n in WARNING_CASES] + ["period2", "hier_ok"])
+@pytest.mark.parametrize("name", list(WARNING_CASES) + ["period2", "hier_ok"])
 def test_warnings_like_torch(name):
     for res in case(2, "errors"):
         t, d = res[name]["torch"], res[name]["ddpx"]
