@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <ddpx/common/compat.h>
 
 namespace ddpx {
 
@@ -51,10 +52,12 @@ struct Plan {
   int live_temporaries = 0;  // kTemporary copies alive now
 };
 
-// 16-bit values on CPU would be summed by Gloo (scalar code, and wrong for fp16; no bf16 in
-// torch 1.13): average them in fp32 there. Other dtypes keep torch's promotion.
-at::ScalarType compute_dtype(at::ScalarType promoted, const at::Device& device) {
-  if (device.is_cpu() && (promoted == at::kHalf || promoted == at::kBFloat16)) return at::kFloat;
+// 16-bit values on CPU or on a Gloo group would be summed by Gloo (scalar code, and wrong for
+// fp16; no bf16 in torch 1.13): average them in fp32 there. Other dtypes keep torch's promotion.
+at::ScalarType compute_dtype(at::ScalarType promoted, const at::Device& device,
+                             const c10d::ProcessGroup& pg) {
+  const bool half = promoted == at::kHalf || promoted == at::kBFloat16;
+  if (half && (device.is_cpu() || compat::backend_name(pg) == "gloo")) return at::kFloat;
   return promoted;
 }
 
@@ -293,7 +296,7 @@ AverageStats average_parameters(const std::vector<at::Tensor>& params,
     it->second.push_back(p);
   }
   for (const auto& entry : by_device) {
-    average_on_device(entry.second, process_group, compute_dtype(promoted, entry.first),
+    average_on_device(entry.second, process_group, compute_dtype(promoted, entry.first, *process_group),
                       options.bucket_cap_bytes, stats);
   }
   return stats;

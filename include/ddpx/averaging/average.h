@@ -38,8 +38,8 @@ struct AverageStats {
 // dtype and at least a quarter bucket are reduced in their own storage; the others are packed
 // into reused staging buckets (a tensor larger than a bucket travels in bucket-sized chunks; a
 // non-contiguous one larger than a bucket goes through a contiguous copy of itself that lives
-// only while its chunks are in flight, one such copy at a time). 16-bit tensors on
-// CPU are averaged in fp32 (Gloo's 16-bit sums are scalar, and wrong for fp16). Tensors
+// only while its chunks are in flight, one such copy at a time). 16-bit tensors on CPU or on a
+// Gloo group are averaged in fp32 (Gloo's 16-bit sums are scalar, and wrong for fp16). Tensors
 // stay on their own device, each device with its own buckets. At most ~2 buckets of
 // collectives are in flight at any time.
 //
