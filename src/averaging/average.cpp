@@ -61,7 +61,40 @@ at::ScalarType compute_dtype(at::ScalarType promoted, const at::Device& device,
   return promoted;
 }
 
-Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int64_t cap_elems) {
+// Every rank must build the same plan (the same collectives, in the same order, of the same
+// sizes), and a plan that reduces tensors in their own storage depends on their layouts, which
+// torch does not require to match across ranks (DDP checks parameter strides; direct callers of
+// average_parameters need not). One tiny collective compares a hash of the layouts: when they
+// match, contiguous and dense non-contiguous tensors (channels_last, transposes) are reduced in
+// their own storage (averaging is elementwise, so memory order is as good as logical order);
+// otherwise every tensor is copied through the staging buckets in logical order.
+bool same_layouts(const std::vector<at::Tensor>& params,
+                  const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over every tensor's strides and density
+  auto mix = [&](int64_t v) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  };
+  for (const at::Tensor& p : params) {
+    mix(p.is_non_overlapping_and_dense() ? 1 : 2);
+    for (int64_t v : p.strides()) mix(v);
+  }
+  const int64_t mine = static_cast<int64_t>(h >> 2);  // non-negative, and so is its negation
+  at::Tensor both = at::tensor({mine, -mine}, at::TensorOptions(at::kLong))
+                        .to(params.front().device());
+  std::vector<at::Tensor> tensors{both};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  pg->allreduce(tensors, opts)->wait();
+  const at::Tensor r = both.cpu();
+  // max(h) == min(h) exactly when every rank has the same hash.
+  return r[0].item<int64_t>() == -r[1].item<int64_t>();
+}
+
+// The plan depends on the layouts only through `own_storage` (the same on every rank): which
+// tensors are staged and how the buckets are cut depend on numel and dtype alone.
+Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int64_t cap_elems,
+               bool own_storage) {
   Plan plan;
   const int64_t inplace_min = std::max<int64_t>(1, cap_elems / 4);
   Job open;  // the staging bucket being filled
@@ -75,7 +108,11 @@ Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int6
     Source src;
     src.param = p;
     const int64_t n = p.numel();
-    if (p.is_contiguous()) {
+    const bool dense = p.is_non_overlapping_and_dense();
+    if (own_storage && dense) {
+      // Contiguous, or dense in another order: a 1-D view of its storage.
+      src.flat = p.is_contiguous() ? p.view({-1}) : p.as_strided({n}, {1}, p.storage_offset());
+    } else if (p.is_contiguous()) {
       src.flat = p.view({-1});
     } else {
       src.access = n <= cap_elems ? Access::kWhole : Access::kTemporary;
@@ -85,7 +122,7 @@ Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int6
       plan.sources.push_back(std::move(src));
       continue;
     }
-    if (src.access == Access::kFlat && p.scalar_type() == dtype && n >= inplace_min) {
+    if (own_storage && dense && p.scalar_type() == dtype && n >= inplace_min) {
       plan.sources.push_back(std::move(src));
       Job job;
       job.inplace_source = static_cast<int64_t>(index);
@@ -93,13 +130,11 @@ Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int6
       plan.jobs.push_back(std::move(job));
       continue;
     }
-    // A whole-tensor copy needs one contiguous run of the bucket. A temporary copy starts a
-    // bucket of its own, so that no bucket holds the end of one copy and the start of another:
-    // then at most one copy is alive (see average_on_device).
-    if ((src.access == Access::kWhole && open.numel + n > cap_elems) ||
-        src.access == Access::kTemporary) {
-      close();
-    }
+    // A tensor that fits a bucket goes in one run of one bucket (a whole-tensor copy needs it);
+    // a larger one starts a bucket of its own, so that no bucket holds the end of one temporary
+    // copy and the start of another: then at most one copy is alive (see average_on_device).
+    // By numel only, whatever the access, so every rank cuts the same buckets.
+    if ((n <= cap_elems && open.numel + n > cap_elems) || n > cap_elems) close();
     // Pack, splitting across buckets when it does not fit.
     int64_t done = 0;
     while (done < n) {
@@ -167,7 +202,7 @@ void average_on_device(const std::vector<at::Tensor>& params,
                        int64_t cap_bytes, AverageStats& stats) {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t cap_elems = std::max<int64_t>(1, cap_bytes / elem);
-  Plan plan = make_plan(params, dtype, cap_elems);
+  Plan plan = make_plan(params, dtype, cap_elems, same_layouts(params, pg));
   const int64_t world = pg->getSize();
   const auto options = params.front().options().dtype(dtype);
 

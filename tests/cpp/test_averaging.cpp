@@ -476,9 +476,9 @@ class PeakCpuMemory : public c10::MemoryReportingInfoBase {
 };
 
 // The extra memory is bounded by about two buckets whatever the model (average.h): staging
-// buckets are reused, and a non-contiguous tensor needs a temporary copy of itself only when it
-// is larger than a bucket (one at a time). 1 KiB buckets, 64 tensors of 2 or 4 KiB each.
-//
+// buckets are reused, dense non-contiguous tensors (transposes) are reduced in place in memory
+// order, and a non-dense one (a strided slice) needs a temporary copy of itself only when it is
+// larger than a bucket (one at a time). 1 KiB buckets, 64 tensors of 2 or 4 KiB each.
 TEST(AverageParameters, ExtraMemoryIsAboutTwoBuckets) {
   const int64_t cap = 1024;
   struct Case {
@@ -486,18 +486,23 @@ TEST(AverageParameters, ExtraMemoryIsAboutTwoBuckets) {
     std::vector<int64_t> shape;  // of the storage; transposed views swap it
     at::ScalarType dtype;
     bool transposed;
-    int64_t allowed_copy;  // a temporary copy the header allows (non-contiguous > a bucket)
+    int64_t allowed_copy;  // a temporary copy the header allows (non-dense > a bucket)
+    bool strided = false;  // every other column of a {rows, 2 * cols} storage
   };
   const std::vector<Case> cases = {
       {"contiguous fp32 (in place)", {32, 32}, at::kFloat, false, 0},
       {"contiguous fp16 (staged)", {32, 32}, at::kHalf, false, 0},
       {"transposed fp32, smaller than a bucket", {8, 16}, at::kFloat, true, 0},
-      {"transposed fp32, 4x a bucket", {32, 32}, at::kFloat, true, 4096}};
+      {"transposed fp32, 4x a bucket (in place)", {32, 32}, at::kFloat, true, 0},
+      {"strided fp32, smaller than a bucket", {8, 16}, at::kFloat, false, 0, true},
+      {"strided fp32, 4x a bucket", {32, 32}, at::kFloat, false, 4096, true}};
   for (const Case& c : cases) {
     ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
       std::vector<at::Tensor> tensors;
       for (int k = 0; k < 64; ++k) {
-        at::Tensor t = at::empty(c.shape, c.dtype);
+        at::Tensor t = c.strided ? at::empty({c.shape[0], 2 * c.shape[1]}, c.dtype)
+                                       .slice(1, 0, 2 * c.shape[1], 2)
+                                 : at::empty(c.shape, c.dtype);
         if (c.transposed) t = t.t();
         fill(t, dyadic_input(1100 + k, rank, 2, t.numel()));
         tensors.push_back(t);
@@ -515,6 +520,30 @@ TEST(AverageParameters, ExtraMemoryIsAboutTwoBuckets) {
       EXPECT_LE(reporter->peak, 2 * cap + c.allowed_copy + 1024)
           << c.name << ", rank " << rank << ": peak extra CPU memory " << reporter->peak
           << " bytes (the tensors hold " << 64 * tensors[0].nbytes() << ")";
+    });
+  }
+}
+
+// Tensors are reduced in their own storage (dense non-contiguous ones in memory order) only when
+// every rank lays them out alike; here rank 0 holds a transpose and the other ranks contiguous
+// tensors of the same logical values, so everything goes through the buckets in logical order
+// (and every rank must still issue the same collectives): the means must still be right.
+TEST(AverageParameters, MismatchedLayoutsAcrossRanksFallBackToLogicalOrder) {
+  for (int n : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << n << " ranks");
+    ddpx_test::run_ranks(n, [&](int rank, const ProcessGroupPtr& pg) {
+      at::Tensor t = rank == 0 ? at::empty({24, 40}, at::kFloat).t() : at::empty({40, 24});
+      fill(t, dyadic_input(1300, rank, n, t.numel()));
+      at::Tensor same = at::empty({40, 24}).t();  // alike on every rank
+      fill(same, dyadic_input(1301, rank, n, same.numel()));
+      const auto st = ddpx::average_parameters({t, same}, pg, {256});
+      EXPECT_TRUE(holds(t, dyadic_mean(1300, n, t.numel(), all_ranks(n))));
+      EXPECT_TRUE(holds(same, dyadic_mean(1301, n, same.numel(), all_ranks(n))));
+      EXPECT_EQ(st.inplace_tensors, 0);
+      EXPECT_EQ(st.staged_tensors, 2);
+      // Alike on every rank: both transposes are reduced in place.
+      const auto alike = ddpx::average_parameters({t.t().contiguous().t(), same}, pg, {256});
+      EXPECT_EQ(alike.inplace_tensors, 2);
     });
   }
 }

@@ -35,9 +35,11 @@ struct AverageStats {
 //
 // Unlike torch, which flattens every parameter into one buffer (extra memory = the whole
 // model), the extra memory is bounded by about two buckets: contiguous tensors of the common
-// dtype and at least a quarter bucket are reduced in their own storage; the others are packed
+// dtype and at least a quarter bucket are reduced in their own storage (so are non-contiguous
+// but dense ones, e.g. channels_last, in memory order, when every rank lays them out alike:
+// checked with one tiny collective, as DDP checks parameter strides); the others are packed
 // into reused staging buckets (a tensor larger than a bucket travels in bucket-sized chunks; a
-// non-contiguous one larger than a bucket goes through a contiguous copy of itself that lives
+// non-contiguous, non-dense one larger than a bucket goes through a contiguous copy of itself that lives
 // only while its chunks are in flight, one such copy at a time). 16-bit tensors on CPU or on a
 // Gloo group are averaged in fp32 (Gloo's 16-bit sums are scalar, and wrong for fp16). Tensors
 // stay on their own device, each device with its own buckets. At most ~2 buckets of
