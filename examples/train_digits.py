@@ -34,7 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_localsgd
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
@@ -67,6 +70,8 @@ class WireContext:
     # PowerSGD rows: elements one compressed step sends (the state's compression_stats():
     # uncompressed tensors + P + Q factors), counted by the run.
     compressed_numel: Optional[int] = None
+    # Post-local SGD rows: what the run did (see wire_post_local_sgd).
+    local_sgd: Optional["LocalSGDRun"] = None
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -120,6 +125,31 @@ def wire_powersgd_16bit(buckets: List[Bucket], ctx: WireContext) -> float:
     return ring_allreduce_bytes(n, 2, ctx.world)
 
 
+@dataclasses.dataclass
+class LocalSGDRun:
+    steps: int  # training steps of the run
+    grad_global_steps: int  # steps whose gradients were allreduced globally (the warm-up)
+    subgroup_size: int  # the hook's subgroup after the warm-up
+    averaging_steps: int  # steps after which the averager allreduced the parameters
+    param_numel: int  # elements one averaging allreduces (the parameters with a gradient)
+    param_dtype: torch.dtype
+
+
+def wire_post_local_sgd(buckets: List[Bucket], ctx: WireContext) -> float:
+    """Post-local SGD, mean over the run: the warm-up steps' global fp32 gradient allreduce,
+    then the subgroup's (ring allreduce within it: 0 for a subgroup of one rank), plus one fp32
+    ring allreduce of the parameters per averaging step, amortised over all steps."""
+    s = ctx.local_sgd
+    if s is None or s.steps == 0:
+        return 0.0
+    grad_global = wire_fp32_allreduce(buckets, ctx)
+    grad_sub = sum(ring_allreduce_bytes(b.numel, _elem(b.dtype), s.subgroup_size)
+                   for b in buckets)
+    params = ring_allreduce_bytes(s.param_numel, _elem(s.param_dtype), ctx.world)
+    return (s.grad_global_steps * grad_global + (s.steps - s.grad_global_steps) * grad_sub
+            + s.averaging_steps * params) / s.steps
+
+
 WIRE_FOOTNOTES = {
     wire_fp32_allreduce: "fp32 ring allreduce: 2(W-1)/W x numel x 4",
     wire_torch_16bit: "16-bit ring allreduce: 2(W-1)/W x numel x 2",
@@ -132,11 +162,19 @@ WIRE_FOOTNOTES = {
     wire_powersgd_16bit: ("fp16_compress_wrapper(powerSGD_hook): the same numel after "
                           "compression x 2 B, on Gloo/CPU gathered: (W-1) x numel x 2; on NCCL "
                           "16-bit ring allreduce 2(W-1)/W x numel x 2"),
+    wire_post_local_sgd: ("post-local SGD, **mean over the run** (warm-up included): (S_warm x "
+                          "2(W-1)/W x grad numel x 4 + (S - S_warm) x 2(G-1)/G x grad numel x 4 + "
+                          "S_avg x 2(W-1)/W x param numel x 4) / S, with S steps, S_warm = "
+                          "start_localSGD_iter global-gradient steps, G the subgroup size (1 "
+                          "here: 0 B after the warm-up), S_avg the steps after which the "
+                          "averager allreduced the parameters (every `period` steps after the "
+                          "warm-up); the steady state after the warm-up is 1/period of an "
+                          "allreduce step (results.json: local_sgd)"),
 }
 
 
 # ---------------------------------------------------------------------------------------------
-# The configurations. One entry per table row; later hooks (post-local SGD) join here.
+# The configurations. One entry per table row.
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Config:
@@ -162,6 +200,9 @@ class Config:
     make_optimizer: Optional[Callable[[DDP, argparse.Namespace], torch.optim.Optimizer]] = None
     # False for hooks that do not keep replicas in sync (noop): skips the sync check.
     synchronises: bool = True
+    # Post-local SGD rows: the hook's state is a PostLocalSGDState and the optimizer a
+    # PostLocalSGDOptimizer; bytes/step and compression come from what the run did.
+    local_sgd: bool = False
 
 
 StateFactory = Callable[[argparse.Namespace], Any]
@@ -204,6 +245,64 @@ def psgd(name: str, registration: str, hook: Callable, rank: int, **kw) -> Confi
     return Config(f"{name} r={rank}", registration, reg, powersgd=True, **kw)
 
 
+_SUBGROUP: Dict[str, Any] = {}
+
+
+def local_subgroup(args: argparse.Namespace) -> Any:
+    """The post-local SGD rows' "intra-node" subgroup: consecutive ranks, `--localsgd-subgroup`
+    (default 1) each, created once (dist.new_group is collective: every rank builds the runs
+    in the same order) and passed explicitly to torch's and ddpx's states alike. With the 2
+    ranks of the main job on one machine, a real intra-node group would be the whole world
+    (local SGD would still allreduce every gradient globally), and torch's subgroup=None calls
+    new_subgroups(), which raises ValueError without CUDA."""
+    if "group" not in _SUBGROUP:
+        world, g = dist.get_world_size(), args.localsgd_subgroup
+        if g < 1 or world % g:
+            raise ValueError(f"--localsgd-subgroup {g} does not divide the world size {world}")
+        # What new_subgroups(group_size=g) does; torch 1.13's new_subgroups and
+        # new_subgroups_by_enumeration raise ValueError ("Subgroups can only be created when
+        # CUDA is available") whatever the arguments. new_group is collective: all ranks create
+        # every subgroup, in the same order.
+        for k in range(0, world, g):
+            grp = dist.new_group(ranks=list(range(k, k + g)))
+            if k <= dist.get_rank() < k + g:
+                _SUBGROUP["group"] = grp
+    return _SUBGROUP["group"]
+
+
+def local_sgd(name: str, registration: str, ddpx_side: bool) -> Config:
+    """A post-local SGD row: PostLocalSGDState(process_group=None, subgroup=local_subgroup(),
+    start_localSGD_iter=--localsgd-start) with post_localSGD_hook, and SGD (as every other row)
+    wrapped in PostLocalSGDOptimizer(PeriodicModelAverager(--localsgd-period, warmup_steps =
+    start_localSGD_iter)): torch's classes for the torch row, ddpx's for the ddpx rows (looked up
+    when the row runs, so an older ddpx fails that row only)."""
+    def register(ddp: DDP, args: argparse.Namespace) -> Any:
+        mod = H if ddpx_side else torch_localsgd
+        st = mod.PostLocalSGDState(process_group=None, subgroup=local_subgroup(args),
+                                   start_localSGD_iter=args.localsgd_start)
+        if registration == "drop-in":
+            ddp.register_comm_hook(st, mod.post_localSGD_hook)
+        else:
+            ddpx.register_comm_hook(ddp, st, mod.post_localSGD_hook)
+        return st
+
+    def make_optimizer(ddp: DDP, args: argparse.Namespace) -> torch.optim.Optimizer:
+        sgd = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+        if ddpx_side:
+            averager = ddpx.model_averaging.PeriodicModelAverager(
+                period=args.localsgd_period, warmup_steps=args.localsgd_start)
+            opt = ddpx.optim.PostLocalSGDOptimizer(sgd, averager)
+            if not hasattr(opt, "averager"):  # local_sgd_wire reads it (torch's has one)
+                opt.averager = averager
+            return opt
+        averager = torch_averagers.PeriodicModelAverager(
+            period=args.localsgd_period, warmup_steps=args.localsgd_start)
+        return TorchPostLocalSGDOptimizer(sgd, averager)
+
+    return Config(name, registration, register, wire_post_local_sgd,
+                  make_optimizer=make_optimizer, local_sgd=True)
+
+
 CONFIGS: List[Config] = [
     Config("no hook", "DDP default", None, wire_fp32_allreduce),
     Config("torch allreduce_hook", "drop-in", drop_in(torch_hooks.allreduce_hook),
@@ -234,6 +333,11 @@ CONFIGS: List[Config] = [
     # hang: 4 runs of 4 with DDP's default two buckets here). With one bucket there is a single
     # chain of collectives (10 runs of 10 finished, identical results), so its model gets one.
     psgd("torch powerSGD_hook", "drop-in", torch_powersgd.powerSGD_hook, 2, one_bucket=True),
+    # Post-local SGD: the hook + PostLocalSGDOptimizer(PeriodicModelAverager); the optimizer and
+    # averager are torch's for the torch row, ddpx's for the ddpx rows.
+    local_sgd("torch post_localSGD_hook + PostLocalSGDOptimizer", "drop-in", ddpx_side=False),
+    local_sgd("ddpx post_localSGD_hook + PostLocalSGDOptimizer", "drop-in", ddpx_side=True),
+    local_sgd("ddpx post_localSGD_hook + PostLocalSGDOptimizer", "native", ddpx_side=True),
     Config("ddpx noop_hook", "native", native(H.noop_hook), wire_none, compression=None,
            synchronises=False),
 ]
@@ -355,8 +459,11 @@ class Run:
                 self.fail(exc, cfg.unsupported_note or "registration failed",
                           "unsupported" if cfg.unsupported_note else "error")
                 return
-        self.opt = (cfg.make_optimizer(self.ddp, args) if cfg.make_optimizer else
-                    torch.optim.SGD(self.ddp.parameters(), lr=args.lr, momentum=0.9))
+        try:
+            self.opt = (cfg.make_optimizer(self.ddp, args) if cfg.make_optimizer else
+                        torch.optim.SGD(self.ddp.parameters(), lr=args.lr, momentum=0.9))
+        except Exception as exc:  # e.g. an optimizer class this ddpx lacks: the same everywhere
+            self.fail(exc, "optimizer failed")
 
     @property
     def alive(self) -> bool:
@@ -388,6 +495,35 @@ class Run:
         if self.cfg.powersgd:  # what this step added to the state's running totals
             after = self.state.compression_stats()[2]
             self.numel_after.append(after - sum(self.numel_after))
+
+    def local_sgd_wire(self, args, buckets: List[Bucket], ctx: WireContext):
+        """Post-local SGD rows: what the run did (global-gradient steps from the hook state's
+        iter, averaging steps from the averager's schedule), for wire_post_local_sgd; the
+        compression column = an fp32 allreduce step's bytes / this row's mean bytes per step."""
+        steps = len(self.step_ms)
+        averager = self.opt.averager
+        start, period, warm = (self.state.start_localSGD_iter, averager.period,
+                               averager.warmup_steps)
+        avg_steps = sum(1 for k in range(steps) if k >= warm and (k - warm) % period == 0)
+        # The hook's iter counts the global-allreduce steps and stops at start_localSGD_iter.
+        assert self.state.iter == min(start, steps), (self.state.iter, start, steps)
+        assert averager.step == steps, (averager.step, steps)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        run = LocalSGDRun(steps=steps, grad_global_steps=self.state.iter,
+                          subgroup_size=self.state.subgroup.size(),
+                          averaging_steps=avg_steps,
+                          param_numel=sum(p.numel() for p in params), param_dtype=params[0].dtype)
+        ctx = dataclasses.replace(ctx, local_sgd=run)
+        mean = wire_post_local_sgd(buckets, ctx)
+        after = dataclasses.replace(ctx, local_sgd=dataclasses.replace(
+            run, steps=period, grad_global_steps=0, averaging_steps=1))
+        self.row["local_sgd"] = dict(
+            start_localSGD_iter=start, period=period, warmup_steps=warm,
+            subgroup_size=run.subgroup_size, steps=steps, grad_global_steps=run.grad_global_steps,
+            averaging_steps=avg_steps, state_iter=self.state.iter, averager_step=averager.step,
+            bytes_per_step_after_warmup=wire_post_local_sgd(buckets, after),
+            bytes_per_allreduce_step=wire_fp32_allreduce(buckets, ctx))
+        return ctx, (wire_fp32_allreduce(buckets, ctx) / mean if mean > 0 else None)
 
     def end_epoch(self) -> None:
         red = self.loss_sum.to(self.device)
@@ -438,6 +574,8 @@ class Run:
                 bytes_per_step_run_mean=(
                     len(compressed) * cfg.wire(buckets, ctx) + (len(self.step_ms) - len(compressed))
                     * wire_fp32_allreduce(buckets, ctx)) / len(self.step_ms))
+        if cfg.local_sgd:
+            ctx, compression = self.local_sgd_wire(args, buckets, ctx)
         if cfg.one_bucket and len(buckets) != 1:
             raise RuntimeError(f"{cfg.name}: expected one DDP bucket, got {len(buckets)}")
         self.row.update(
@@ -631,6 +769,14 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--powersgd-start", type=int, default=None,
                    help="start_powerSGD_iter of the PowerSGD rows (default: 15%% of the steps)")
+    p.add_argument("--localsgd-start", type=int, default=None,
+                   help="start_localSGD_iter (= the averager's warmup_steps) of the post-local "
+                   "SGD rows (default: about 20%% of the steps, moved up by at most period-1 "
+                   "so that the last step is an averaging step)")
+    p.add_argument("--localsgd-period", type=int, default=4,
+                   help="the post-local SGD rows' averaging period")
+    p.add_argument("--localsgd-subgroup", type=int, default=1,
+                   help="ranks per subgroup of the post-local SGD hook (the 'intra-node' group)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--only", default="", help="comma-separated substrings: run matching "
@@ -675,6 +821,11 @@ def main(argv=None) -> int:
     steps = args.epochs * ((len(data[0]) // world) // args.batch_size)
     if args.powersgd_start is None:
         args.powersgd_start = max(2, round(0.15 * steps))
+    if args.localsgd_start is None:
+        # About 20% of the steps, then moved so that the last step averages (the replicas the
+        # test scores are then the averaged model, identical on every rank).
+        s0 = max(1, round(0.2 * steps))
+        args.localsgd_start = s0 + (steps - 1 - s0) % args.localsgd_period
     ctx = WireContext(world=world, backend=backend, device=device)
     log(f"train_digits: {world} ranks, backend {backend}, device {device.type}, torch "
         f"{torch.__version__}, {n_params:,} parameters, {len(data[0])} train / "
@@ -723,6 +874,30 @@ def main(argv=None) -> int:
                     "PowerSGD test accuracy minus no hook's, in points: "
                     + ", ".join(f"{n} {d:+.2f}" for n, d in diffs)
                     + "; more than one point below: " + (", ".join(missed) if missed else "none"))
+        lsgd = [r for r in rows if r["status"] == "ok" and "local_sgd" in r]
+        if lsgd:
+            ls = lsgd[0]["local_sgd"]
+            notes.append(
+                f"post-local SGD rows: start_localSGD_iter = averager warmup_steps = "
+                f"{ls['start_localSGD_iter']} (of {ls['steps']} steps: global gradient allreduce "
+                f"before), then gradients allreduced in a subgroup of {ls['subgroup_size']} "
+                "rank(s) (built with `dist.new_group`, passed to torch's and ddpx's "
+                "PostLocalSGDState alike: the 2 ranks share one machine, so a real intra-node "
+                "group would be the whole world, and torch 1.13's subgroup=None and "
+                "new_subgroups() raise ValueError without CUDA) and the parameters averaged "
+                f"globally every {ls['period']} steps ({ls['averaging_steps']} averagings, the "
+                "last after the last step, so the scored replicas are averaged); optimizer "
+                "PostLocalSGDOptimizer(SGD, PeriodicModelAverager), torch's classes for the "
+                "torch row, ddpx's for the ddpx rows. bytes sent/step: after the warm-up "
+                f"{ls['bytes_per_step_after_warmup']:,.0f} B/step (1/{ls['period']} of "
+                f"{ls['bytes_per_allreduce_step']:,.0f}); compression: an fp32 allreduce "
+                "step's bytes / the row's mean bytes per step. ms/step is the median step, "
+                "mostly steps without averaging.")
+            if base["status"] == "ok":
+                notes.append("post-local SGD test accuracy minus no hook's, in points: "
+                             + ", ".join(f"{r['hook']} ({r['registration']}) "
+                                         f"{100 * (r['test_acc'] - base['test_acc']):+.2f}"
+                                         for r in lsgd))
         unsynced = [f"{r['hook']} ({r['registration']})" for r in rows
                     if r["status"] == "ok" and r["replica_spread"] > 0]
         notes.append("replicas differ across ranks at the end (expected for noop only): "
