@@ -153,8 +153,15 @@ if [ "$BUILD_OK" = 1 ]; then
   run_step bench_hooks_gloo 60 "PYTHONPATH='$BUILD/python' '$PY' benchmarks/bench_hooks.py \
     --device cuda --backends gloo --world-size 2 --layers 2 --rounds 3 --steps 3 \
     --json '$OUT/hooks_cuda_gloo.json'"
+  # Parameter averaging (post-local SGD) on CUDA tensors: Gloo, 2 ranks sharing the GPU (NCCL
+  # world size 1 would return at once); torch's flat-buffer average vs ddpx's in-place buckets,
+  # time and torch.cuda.max_memory_allocated; 6 layers keep it in budget.
+  run_step bench_averaging_cuda 60 "PYTHONPATH='$BUILD/python' '$PY' benchmarks/bench_averaging.py \
+    --device cuda --backend gloo --world-size 2 --layers 6 --rounds 5 \
+    --json '$OUT/averaging_cuda_gloo.json'"
 else
   skip_step bench_kernels_cuda "no ddpx._C built"
+  skip_step bench_averaging_cuda "no ddpx._C built"
   skip_step bench_powersgd_nccl "no ddpx._C built"
   skip_step bench_hooks_nccl "no ddpx._C built"
   skip_step bench_hooks_gloo "no ddpx._C built"
