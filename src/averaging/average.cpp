@@ -230,8 +230,6 @@ void average_on_device(const std::vector<at::Tensor>& params,
   try {
     for (size_t j = 0; j < plan.jobs.size(); ++j) {
       const Job& job = plan.jobs[j];
-      // At most ~two buckets' worth of collectives in flight (bounds Gloo's own buffers too).
-      while (!in_flight.empty() && in_flight_elems + job.numel > 2 * cap_elems) finish_oldest();
       at::Tensor values;
       int slot = -1;
       if (job.inplace_source >= 0) {
@@ -256,8 +254,12 @@ void average_on_device(const std::vector<at::Tensor>& params,
           pack(plan.sources[s.source], s, values, plan.live_temporaries);
         }
       }
-      // torch's order of operations: divide by the group size, then sum.
+      // torch's order of operations: divide by the group size, then sum. The division runs
+      // while the previous collectives are in flight.
       values.div_(world);
+      // At most ~two buckets' worth of collectives in flight (staged ones are bounded by the two
+      // slots already; this also keeps Gloo's per-collective buffers few).
+      while (!in_flight.empty() && in_flight_elems + job.numel > 2 * cap_elems) finish_oldest();
       std::vector<at::Tensor> tensors{values};
       auto work = pg->allreduce(tensors);
       ++stats.collectives;
