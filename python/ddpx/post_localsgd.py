@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ._loader import _C
+from ._state import NativeStateCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def intra_node_subgroup() -> dist.ProcessGroup:
     return subgroup
 
 
-class PostLocalSGDState:
+class PostLocalSGDState(NativeStateCheckpoint):
     r"""State of :func:`ddpx.hooks.post_localSGD_hook`: gradients are averaged over
     ``process_group`` until iteration ``start_localSGD_iter``, then within ``subgroup`` only (or
     not at all when ``post_local_gradient_allreduce`` is False). Same arguments, attributes and
@@ -95,7 +96,8 @@ class PostLocalSGDState:
     ``dist.new_subgroups()`` as torch when CUDA is available, else by host name (torch's raises
     ValueError without CUDA).
 
-    Beyond torch: :meth:`state_dict` / :meth:`load_state_dict` and pickling keep ``iter``, so a
+    Beyond torch: ``state_dict()`` / ``load_state_dict()`` (``iter``, ``start_localSGD_iter``,
+    ``post_local_gradient_allreduce``) and pickling keep ``iter``, so a
     resumed job does not redo the global warm-up; ``start_localSGD_iter < 0`` raises ValueError;
     a model averager whose ``warmup_steps`` differs from ``start_localSGD_iter`` raises
     ValueError when it first averages the parameters of a model with this hook.
@@ -180,19 +182,7 @@ class PostLocalSGDState:
         """Counts one iteration when ``bucket`` is the last bucket of a step."""
         self._cpp.maybe_increase_iter(bucket.is_last())
 
-    # -- checkpointing --------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """``iter``, ``start_localSGD_iter`` and ``post_local_gradient_allreduce`` (process
-        groups are not serialisable)."""
-        return self._cpp.state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._cpp.load_state_dict(state_dict)
-
-    def __getstate__(self) -> Dict[str, Any]:
-        logger.warning("NOTE: Process group is not serializable and excluded from a saved state.")
-        return self.state_dict()
-
+    # -- checkpointing (state_dict, load_state_dict, pickling: NativeStateCheckpoint) ----------
     def __setstate__(self, state: Dict[str, Any]) -> None:
         logger.warning(
             "NOTE: Process group will be set to the default group and the subgroup to the "

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ._loader import _C
+from ._state import NativeStateCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _check_number(name: str, value: Any) -> float:
     return float(value)
 
 
-class PowerSGDState:
+class PowerSGDState(NativeStateCheckpoint):
     r"""State of the PowerSGD hooks: hyperparameters, error-feedback residuals, warm-start Q
     factors, the iteration counter and the random generator. Same arguments, defaults, errors
     and attributes as :class:`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState`;
@@ -153,21 +154,11 @@ class PowerSGDState:
         """Returns ``(compress_rate, numel_before_compression, numel_after_compression)``."""
         return self._cpp.compression_stats()
 
-    # -- checkpointing --------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to resume, without the process group: hyperparameters, iteration,
-        statistics, generator state and per-parameter memories (CPU tensors)."""
-        return self._cpp.state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s content. Call before the first backward of the new DDP
-        model; memories reach their parameters as the buckets first run."""
-        self._cpp.load_state_dict(state_dict)
-
-    def __getstate__(self) -> Dict[str, Any]:
-        logger.warning("NOTE: Process group is not serializable and excluded from a saved state.")
-        return self.state_dict()
-
+    # -- checkpointing ---------------------------------------------------------------------------
+    # state_dict() (hyperparameters, iteration, statistics, generator state and per-parameter
+    # memories as CPU tensors), load_state_dict() (call it before the first backward of the new
+    # DDP model; memories reach their parameters as the buckets first run) and pickling come
+    # from NativeStateCheckpoint.
     def __setstate__(self, state: Dict[str, Any]) -> None:
         logger.warning(
             "NOTE: Process group will be set to a default group (i.e. the world size). If a "

@@ -46,6 +46,7 @@
 namespace {
 
 using ddpx_test::ProcessGroupPtr;
+using ddpx_test::value_error;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -132,25 +133,6 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return ::testing::AssertionSuccess();
 }
 
-// Runs f and returns the message of the c10::ValueError it throws; records a failure when it
-// throws anything else or nothing.
-template <typename F>
-std::string value_error(F&& f) {
-  try {
-    f();
-  } catch (const c10::ValueError& e) {
-    return e.what_without_backtrace();
-  } catch (const c10::Error& e) {
-    ADD_FAILURE() << "expected c10::ValueError, got another c10::Error: "
-                  << e.what_without_backtrace();
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected c10::ValueError, got std::exception: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected c10::ValueError, nothing was thrown";
-  return {};
-}
 
 // Collects TORCH_WARN messages issued on this thread while alive (c10's handler is
 // thread-local).

@@ -49,6 +49,7 @@ using ddpx::hooks::PowerSGDOptions;
 using ddpx::hooks::PowerSGDState;
 using ddpx::hooks::PowerSGDStatePtr;
 using ddpx_test::ProcessGroupPtr;
+using ddpx_test::value_error;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -837,20 +838,6 @@ INSTANTIATE_TEST_SUITE_P(Gloo, PowerSGDTest,
 
 // ---- (i) errors --------------------------------------------------------------------------------
 
-// The message of the c10::ValueError that f throws; a failure if it throws anything else.
-template <typename F>
-std::string value_error(F&& f) {
-  try {
-    f();
-  } catch (const c10::ValueError& e) {
-    return e.what_without_backtrace();
-  } catch (const c10::Error& e) {
-    ADD_FAILURE() << "expected a c10::ValueError, got c10::Error: " << e.what_without_backtrace();
-    return {};
-  }
-  ADD_FAILURE() << "expected a c10::ValueError, nothing was thrown";
-  return {};
-}
 
 TEST(PowerSGDErrors, OptionsAreValidated) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];

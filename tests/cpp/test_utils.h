@@ -252,4 +252,24 @@ std::string error_message(F&& f) {
   return {};
 }
 
+// Runs f and returns the message of the c10::ValueError it throws (without backtrace); records
+// a failure when it throws another error or nothing.
+template <typename F>
+std::string value_error(F&& f) {
+  try {
+    f();
+  } catch (const c10::ValueError& e) {
+    return e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    ADD_FAILURE() << "expected a c10::ValueError, got another c10::Error: "
+                  << e.what_without_backtrace();
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a c10::ValueError, got std::exception: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected a c10::ValueError, nothing was thrown";
+  return {};
+}
+
 }  // namespace ddpx_test
