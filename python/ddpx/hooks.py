@@ -5,11 +5,12 @@ accepts (drop-in), and also carries the factory of its C++ object so that
 :func:`register_comm_hook` can hand that object to DDP's C++ Reducer (native path).
 """
 import atexit
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ._groups import resolve_group
 from ._loader import _C
 
 __all__ = [
@@ -38,23 +39,6 @@ _native_cache: Dict[Tuple[int, int], Tuple[Any, Any, "_C.CommHook"]] = {}
 @atexit.register
 def _clear_native_cache() -> None:
     _native_cache.clear()
-
-
-def _resolve_group(state: Any, hook_name: str) -> dist.ProcessGroup:
-    """``None`` means the default group, as in torch; anything else must be a ProcessGroup."""
-    if state is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                f"{hook_name}: state is None, which means the default process group, but "
-                "torch.distributed is not initialized; call dist.init_process_group() first"
-            )
-        return dist.group.WORLD
-    if isinstance(state, dist.ProcessGroup):
-        return state
-    raise TypeError(
-        f"{hook_name}: state must be a torch.distributed.ProcessGroup or None (the default "
-        f"group), got {type(state).__name__}"
-    )
 
 
 def _make_hook(name: str, factory: Callable[[Any], "_C.CommHook"], doc: str) -> HookFn:
@@ -110,7 +94,7 @@ def native_hook(hook: HookFn, state: Any = None) -> "_C.CommHook":
 
 
 def _group_factory(make: Callable[[dist.ProcessGroup], "_C.CommHook"], name: str):
-    return lambda state: make(_resolve_group(state, name))
+    return lambda state: make(resolve_group(state, name, arg="state"))
 
 
 allreduce_hook = _make_hook(

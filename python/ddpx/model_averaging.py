@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ._loader import _C
-from .post_localsgd import group_ranks, hook_state_of, new_subgroups_by_ranks
+from ._groups import group_ranks, new_subgroups_by_ranks, resolve_group
+from .post_localsgd import hook_state_of
 
 __all__ = [
     "ModelAverager",
@@ -41,23 +42,8 @@ def _bucket_bytes(bucket_cap_mb: float) -> int:
 
 
 def _native_group(group: Any) -> Optional[dist.ProcessGroup]:
-    """The group to hand to C++: None (the default) means WORLD; a group this rank is not a
-    member of becomes None (no-op), as torch's averaging skips such ranks."""
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "process_group is None, which means the default group, but torch.distributed is "
-                "not initialized; call dist.init_process_group() first"
-            )
-        return dist.group.WORLD
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        return None
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup or None, got "
-            f"{type(group).__name__}"
-        )
-    return group
+    """The group to hand to C++ (None: this rank is not a member, averaging is a no-op)."""
+    return resolve_group(group, "model averaging", non_member_ok=True)
 
 
 def _flatten(params: Params) -> List[torch.Tensor]:

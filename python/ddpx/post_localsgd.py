@@ -1,13 +1,12 @@
 """Post-local SGD: torch's ``PostLocalSGDState`` for ddpx's native ``post_localSGD_hook``."""
 import logging
-import socket
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
-import torch
 import torch.distributed as dist
 
 from ._loader import _C
+from ._groups import check_optional_group, intra_node_subgroup, resolve_group
 from ._state import NativeStateCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -17,69 +16,7 @@ logger = logging.getLogger(__name__)
 # that its warm-up matches the hook's start_localSGD_iter.
 STATE_TAG = "_ddpx_post_local_sgd_state"
 
-
-def _check_group(name: str, group: Any, allow_none: bool) -> None:
-    if group is None and allow_none:
-        return
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"PostLocalSGDState: {name} must be a torch.distributed.ProcessGroup"
-            f"{' or None' if allow_none else ''}, got {type(group).__name__}"
-        )
-
-
-def _default_group() -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "PostLocalSGDState: process_group is None, which means the default group, but "
-            "torch.distributed is not initialized; call dist.init_process_group() first"
-        )
-    return dist.group.WORLD
-
-
-def new_subgroups_by_ranks(rank_lists: List[List[int]]) -> Optional[dist.ProcessGroup]:
-    """Creates one group per list of global ranks with ``dist.new_group`` and returns the one
-    holding this rank (None if none does). A collective over the default group: every rank calls
-    it with the same lists. Works without CUDA (torch 1.13's ``new_subgroups`` and
-    ``new_subgroups_by_enumeration`` refuse to run unless CUDA is available)."""
-    me = dist.get_rank()
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks=list(ranks))
-        if me in ranks:
-            mine = group
-    return mine
-
-
-def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
-    """The global ranks of ``group`` (None or WORLD: all ranks), in group-rank order."""
-    if group is None or group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    getter = getattr(dist, "get_process_group_ranks", None)
-    if getter is not None:
-        return list(getter(group))
-    mapping = dist.distributed_c10d._pg_group_ranks[group]  # torch 1.13: global -> group rank
-    return [g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
-
-
-def intra_node_subgroup() -> dist.ProcessGroup:
-    """This rank's intra-node subgroup, as torch's ``post_localSGD_hook`` creates it for
-    ``subgroup=None``: ``dist.new_subgroups()`` (one subgroup per ``torch.cuda.device_count()``
-    consecutive ranks) when CUDA is available. Without CUDA (where torch's raises ValueError)
-    the ranks are grouped by host name. A collective over the default group: every rank calls it.
-    """
-    if torch.cuda.is_available():
-        subgroup, _ = dist.new_subgroups()
-        return subgroup
-    world = dist.get_world_size()
-    hosts: List[Optional[str]] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
-    by_host: Dict[str, List[int]] = {}
-    for rank, host in enumerate(hosts):
-        by_host.setdefault(str(host), []).append(rank)
-    subgroup = new_subgroups_by_ranks(list(by_host.values()))
-    assert subgroup is not None
-    return subgroup
+_WHO = "PostLocalSGDState"
 
 
 class PostLocalSGDState(NativeStateCheckpoint):
@@ -124,13 +61,13 @@ class PostLocalSGDState(NativeStateCheckpoint):
                 "PostLocalSGDState: start_localSGD_iter must be an int, got "
                 f"{type(start_localSGD_iter).__name__}"
             )
-        _check_group("process_group", process_group, allow_none=True)
-        _check_group("subgroup", subgroup, allow_none=True)
+        check_optional_group(subgroup, _WHO, "subgroup")
+        native_group = resolve_group(process_group, _WHO)
         self._process_group = process_group
         self._subgroup = subgroup
         self._params_tagged = False
         self._cpp = _C.PostLocalSGDState(
-            process_group if process_group is not None else _default_group(), subgroup,
+            native_group, subgroup,
             start_localSGD_iter, bool(post_local_gradient_allreduce), logger.info)
 
     # -- torch's attributes ---------------------------------------------------------------------
@@ -140,8 +77,7 @@ class PostLocalSGDState(NativeStateCheckpoint):
 
     @process_group.setter
     def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
-        _check_group("process_group", group, allow_none=True)
-        self._cpp.process_group = group if group is not None else _default_group()
+        self._cpp.process_group = resolve_group(group, _WHO)
         self._process_group = group
 
     @property
@@ -150,7 +86,7 @@ class PostLocalSGDState(NativeStateCheckpoint):
 
     @subgroup.setter
     def subgroup(self, group: Optional[dist.ProcessGroup]) -> None:
-        _check_group("subgroup", group, allow_none=True)
+        check_optional_group(group, _WHO, "subgroup")
         self._cpp.subgroup = group
         self._subgroup = group
 
@@ -192,7 +128,7 @@ class PostLocalSGDState(NativeStateCheckpoint):
         self._process_group = None
         self._subgroup = None
         self._params_tagged = False
-        self._cpp = _C.PostLocalSGDState(_default_group(), None, state["start_localSGD_iter"],
+        self._cpp = _C.PostLocalSGDState(resolve_group(None, _WHO), None, state["start_localSGD_iter"],
                                          bool(state["post_local_gradient_allreduce"]), logger.info)
         self._cpp.load_state_dict(state)
 

@@ -1,12 +1,12 @@
 """PowerSGD: torch's ``PowerSGDState``, ``powerSGD_hook`` and ``batched_powerSGD_hook``, native."""
 import logging
-import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ._loader import _C
+from ._groups import resolve_group
 from ._state import NativeStateCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -22,22 +22,6 @@ _OPTION_NAMES = (
     "compression_stats_logging_frequency",
     "batch_tensors_with_same_shape",
 )
-
-
-def _group_or_default(process_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    if process_group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "PowerSGDState: process_group is None, which means the default group, but "
-                "torch.distributed is not initialized; call dist.init_process_group() first"
-            )
-        return dist.group.WORLD
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            "PowerSGDState: process_group must be a torch.distributed.ProcessGroup or None, got "
-            f"{type(process_group).__name__}"
-        )
-    return process_group
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -104,7 +88,7 @@ class PowerSGDState(NativeStateCheckpoint):
         opts.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         opts.validate()
         self._process_group = process_group
-        self._cpp = _C.PowerSGDState(_group_or_default(process_group), opts, logger.info)
+        self._cpp = _C.PowerSGDState(resolve_group(process_group, "PowerSGDState"), opts, logger.info)
 
     # -- torch's attributes ---------------------------------------------------------------------
     @property
@@ -113,7 +97,7 @@ class PowerSGDState(NativeStateCheckpoint):
 
     @process_group.setter
     def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
-        self._cpp.process_group = _group_or_default(group)
+        self._cpp.process_group = resolve_group(group, "PowerSGDState")
         self._process_group = group
 
     @property
@@ -169,7 +153,7 @@ class PowerSGDState(NativeStateCheckpoint):
         for name in _OPTION_NAMES:
             setattr(opts, name, state[name])
         self._process_group = None
-        self._cpp = _C.PowerSGDState(_group_or_default(None), opts, logger.info)
+        self._cpp = _C.PowerSGDState(resolve_group(None, "PowerSGDState"), opts, logger.info)
         self._cpp.load_state_dict(state)
 
     def __repr__(self) -> str:

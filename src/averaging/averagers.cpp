@@ -6,7 +6,7 @@
 namespace ddpx {
 
 namespace {
-const char* kLargePeriodOneWarning =
+const char* kPeriodOneAdvice =
     "no need to use model averaging because the communication cost of all-reducing parameters "
     "will be no less than the cost of all-reducing gradients by DistributedDataParallel in the "
     "backward pass. Therefore, only DistributedDataParallel should be used for this case.";
@@ -58,7 +58,7 @@ PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_step
   TORCH_CHECK_VALUE(period >= 1,
                     "PeriodicModelAverager: Arg ``period`` must be a positive value, got ", period);
   if (period == 1) {
-    TORCH_WARN("When period is 1, ", kLargePeriodOneWarning);
+    TORCH_WARN("When period is 1, ", kPeriodOneAdvice);
   }
 }
 
@@ -100,7 +100,7 @@ HierarchicalModelAverager::HierarchicalModelAverager(
                     top ? std::to_string(top->getSize()) + " ranks" : std::string("no group"));
   if (period_groups_.back().first == 1) {
     TORCH_WARN("When the maximum period in arg ``period_group_size_dict`` is 1, ",
-               kLargePeriodOneWarning);
+               kPeriodOneAdvice);
   }
   check_warmup(who, warmup_steps);
 }

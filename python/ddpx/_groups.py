@@ -1,0 +1,84 @@
+"""Process groups for the Python layer: resolving a group argument as torch does (None is the
+default group), and creating subgroups without CUDA."""
+import socket
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(group: Any, who: str, arg: str = "process_group",
+                  non_member_ok: bool = False) -> Optional[dist.ProcessGroup]:
+    """The ProcessGroup to hand to C++ for the argument ``arg`` of ``who``: None means the default
+    group (WORLD), as in torch. With ``non_member_ok``, the placeholder torch uses on ranks outside
+    a group (``GroupMember.NON_GROUP_MEMBER``) becomes None: "not a member". Anything else must be
+    a ProcessGroup (TypeError)."""
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{who}: {arg} is None, which means the default process group, but "
+                "torch.distributed is not initialized; call dist.init_process_group() first"
+            )
+        return dist.group.WORLD
+    if non_member_ok and group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{who}: {arg} must be a torch.distributed.ProcessGroup or None (the default "
+            f"group), got {type(group).__name__}"
+        )
+    return group
+
+
+def check_optional_group(group: Any, who: str, arg: str) -> None:
+    """A group argument where None has a meaning of its own (e.g. "create the subgroups")."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{who}: {arg} must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__}"
+        )
+
+
+def new_subgroups_by_ranks(rank_lists: List[List[int]]) -> Optional[dist.ProcessGroup]:
+    """Creates one group per list of global ranks with ``dist.new_group`` and returns the one
+    holding this rank (None if none does). A collective over the default group: every rank calls
+    it with the same lists. Works without CUDA (torch 1.13's ``new_subgroups`` and
+    ``new_subgroups_by_enumeration`` refuse to run unless CUDA is available)."""
+    me = dist.get_rank()
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=list(ranks))
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
+    """The global ranks of ``group`` (None or WORLD: all ranks), in group-rank order."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    getter = getattr(dist, "get_process_group_ranks", None)
+    if getter is not None:
+        return list(getter(group))
+    mapping = dist.distributed_c10d._pg_group_ranks[group]  # torch 1.13: global -> group rank
+    return [g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+
+
+def intra_node_subgroup() -> dist.ProcessGroup:
+    """This rank's intra-node subgroup, as torch's ``post_localSGD_hook`` creates it for
+    ``subgroup=None``: ``dist.new_subgroups()`` (one subgroup per ``torch.cuda.device_count()``
+    consecutive ranks) when CUDA is available. Without CUDA (where torch's raises ValueError)
+    the ranks are grouped by host name. A collective over the default group: every rank calls it.
+    """
+    if torch.cuda.is_available():
+        subgroup, _ = dist.new_subgroups()
+        return subgroup
+    world = dist.get_world_size()
+    hosts: List[Optional[str]] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    by_host: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(str(host), []).append(rank)
+    subgroup = new_subgroups_by_ranks(list(by_host.values()))
+    assert subgroup is not None
+    return subgroup
