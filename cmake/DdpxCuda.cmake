@@ -1,11 +1,12 @@
 # CUDA: the kernels compile whenever nvcc is present (a compile check even on CPU-only
-# machines); the ATen layer uses them only when torch itself has CUDA.
+# machines); the ATen layer uses them only when torch itself has CUDA of the same major version.
+# Expects DdpxTorch.cmake to have run (DDPX_NVCC, DDPX_CUDA_ARCHS, DDPX_TORCH_CUDA_VERSION).
 include(CheckLanguage)
 set(DDPX_HAVE_NVCC OFF)
 set(DDPX_WITH_CUDA OFF)
 if(NOT DDPX_CUDA STREQUAL "OFF")
-  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
-    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  if(NOT CMAKE_CUDA_COMPILER AND DDPX_NVCC)
+    set(CMAKE_CUDA_COMPILER "${DDPX_NVCC}")
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
@@ -16,17 +17,40 @@ if(NOT DDPX_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_STANDARD 17)
     find_package(CUDAToolkit REQUIRED)
     set(DDPX_HAVE_NVCC ON)
-    if(NOT DEFINED DDPX_CUDA_ARCHS)
-      set(DDPX_CUDA_ARCHS "90" CACHE STRING "CUDA architectures for ddpx kernels")
+    # torch's CMake appends -gencode flags for its own choice of architectures to
+    # CMAKE_CUDA_FLAGS; ddpx's targets carry DDPX_CUDA_ARCHS instead (DdpxCudaArchs.cmake).
+    string(REGEX REPLACE "-gencode[ =]arch=[^ ]+" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
+    if(NOT DDPX_CUDA_ARCHS)
+      set(DDPX_CUDA_ARCHS "75-real;80-real;90")
     endif()
   endif()
 endif()
 if(DDPX_CUDA STREQUAL "ON" AND NOT DDPX_HAVE_NVCC)
   message(FATAL_ERROR "DDPX_CUDA=ON but no nvcc was found")
 endif()
+
 if(DDPX_HAVE_NVCC AND DDPX_TORCH_HAS_CUDA)
-  set(DDPX_WITH_CUDA ON)
+  # One process cannot hold two CUDA runtimes of different major versions: ddpx's kernels link
+  # nvcc's libcudart.so.<major>, torch loads its own. Same major (13.0 vs 13.2) is fine (CUDA's
+  # minor-version compatibility); a different major is not.
+  string(REGEX MATCH "^[0-9]+" _nvcc_major "${CMAKE_CUDA_COMPILER_VERSION}")
+  string(REGEX MATCH "^[0-9]+" _torch_major "${DDPX_TORCH_CUDA_VERSION}")
+  if(_torch_major AND NOT _nvcc_major STREQUAL _torch_major)
+    set(_msg "nvcc is CUDA ${CMAKE_CUDA_COMPILER_VERSION} but torch was built with CUDA "
+      "${DDPX_TORCH_CUDA_VERSION}: ddpx's CUDA kernels cannot be used with this torch. Install "
+      "the CUDA ${_torch_major}.x toolkit (or point CMAKE_CUDA_COMPILER / CUDACXX at its nvcc), "
+      "or install a torch built for CUDA ${_nvcc_major}.x")
+    if(DDPX_CUDA STREQUAL "ON")
+      message(FATAL_ERROR "ddpx: DDPX_CUDA=ON but ${_msg}.")
+    endif()
+    string(REPLACE ";" "" _msg "${_msg}")
+    message(WARNING "ddpx: ${_msg}. Building without ddpx's CUDA path (DDPX_CUDA=AUTO); "
+      "CUDA tensors then raise a clear error in ddpx.")
+  else()
+    set(DDPX_WITH_CUDA ON)
+  endif()
 elseif(DDPX_CUDA STREQUAL "ON")
   message(FATAL_ERROR "DDPX_CUDA=ON but torch was built without CUDA")
 endif()
-message(STATUS "ddpx: nvcc ${DDPX_HAVE_NVCC}, torch CUDA ${DDPX_TORCH_HAS_CUDA}, CUDA path ${DDPX_WITH_CUDA}")
+message(STATUS "ddpx: nvcc ${DDPX_HAVE_NVCC} (${CMAKE_CUDA_COMPILER_VERSION}), torch CUDA "
+  "${DDPX_TORCH_HAS_CUDA} (${DDPX_TORCH_CUDA_VERSION}), CUDA path ${DDPX_WITH_CUDA}")

@@ -1,19 +1,51 @@
 # Finds Torch and a Python interpreter that can import it.
 #
-# Debian ships two pythons on PATH-order surprises: the first `python3` may lack torch. We pick
-# the first candidate that imports torch: $DDPX_PYTHON, Python_EXECUTABLE, python3 on PATH,
-# /usr/bin/python3.
+# The first `python3` on PATH may lack torch (Debian: /usr/bin/python3 has Debian's torch 1.13,
+# a pyenv or venv python may have pip's torch 2.x). We pick the first candidate that imports
+# torch: $DDPX_PYTHON, Python_EXECUTABLE, python3 on PATH, /usr/bin/python3. Its torch is the
+# one ddpx is built against (CMake finds it through torch.utils.cmake_prefix_path).
+#
+# Sets: DDPX_PYTHON, DDPX_TORCH_ROOT, DDPX_TORCH_CUDA_VERSION ("" for a CPU torch),
+# DDPX_TORCH_ARCH_LIST (the GPU architectures torch was built for, e.g. "75;80;90"),
+# DDPX_COMPAT_INCLUDE_DIR, DDPX_TORCH_HAS_CUDA.
+include(DdpxTorchLibs)
+
 set(_ddpx_py_candidates "$ENV{DDPX_PYTHON}" "${Python_EXECUTABLE}")
 find_program(_ddpx_path_python3 python3)
 list(APPEND _ddpx_py_candidates "${_ddpx_path_python3}" /usr/bin/python3)
 set(DDPX_PYTHON "")
+set(DDPX_TORCH_CUDA_VERSION "")
+set(DDPX_TORCH_ARCH_LIST "")
+# One line each: cmake prefix, torch.version.cuda, the sm_XY flags torch was compiled with
+# (torch.cuda.get_arch_list() is empty without a GPU; the compiled-in flags are not).
+set(_ddpx_torch_probe [=[
+import torch
+print(torch.utils.cmake_prefix_path)
+print(torch.version.cuda or "")
+flags = ""
+if torch.version.cuda:
+    try:
+        flags = torch._C._cuda_getArchFlags() or ""
+    except Exception:
+        flags = ""
+print(" ".join(f for f in flags.split() if f.startswith("sm_")))
+]=])
 foreach(_cand IN LISTS _ddpx_py_candidates)
   if(_cand AND EXISTS "${_cand}" AND NOT DDPX_PYTHON)
-    execute_process(COMMAND "${_cand}" -c "import torch,sys;print(torch.utils.cmake_prefix_path)"
-      RESULT_VARIABLE _rc OUTPUT_VARIABLE _prefix OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    execute_process(COMMAND "${_cand}" -W ignore -c "${_ddpx_torch_probe}"
+      RESULT_VARIABLE _rc OUTPUT_VARIABLE _out OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
     if(_rc EQUAL 0)
       set(DDPX_PYTHON "${_cand}")
-      set(DDPX_TORCH_CMAKE_PREFIX "${_prefix}")
+      string(REPLACE "\n" ";" _lines "${_out}")
+      list(LENGTH _lines _n)
+      list(GET _lines 0 DDPX_TORCH_CMAKE_PREFIX)
+      if(_n GREATER 1)
+        list(GET _lines 1 DDPX_TORCH_CUDA_VERSION)
+      endif()
+      if(_n GREATER 2)
+        list(GET _lines 2 _flags)
+        string(REGEX MATCHALL "[0-9]+a?" DDPX_TORCH_ARCH_LIST "${_flags}")
+      endif()
     endif()
   endif()
 endforeach()
@@ -22,10 +54,22 @@ if(DDPX_PYTHON)
   list(APPEND CMAKE_PREFIX_PATH "${DDPX_TORCH_CMAKE_PREFIX}")
   set(Python_EXECUTABLE "${DDPX_PYTHON}" CACHE FILEPATH "Python with torch" FORCE)
   set(PYTHON_EXECUTABLE "${DDPX_PYTHON}" CACHE FILEPATH "Python with torch" FORCE)
+  # <torch>/share/cmake -> <torch>
+  get_filename_component(DDPX_TORCH_ROOT "${DDPX_TORCH_CMAKE_PREFIX}/../.." ABSOLUTE)
+  ddpx_pin_torch_libraries("${DDPX_TORCH_ROOT}")
 endif()
 
+# The GPU architectures: chosen here (DdpxCuda.cmake) and handed to torch's CMake too, which
+# would otherwise try to detect a GPU and, finding none, add flags for a dozen architectures
+# of its own to every .cu file. DdpxCuda.cmake strips torch's flags and sets ours per target.
+include(DdpxCudaArchs)
+ddpx_select_cuda_archs()
+
 find_package(Torch REQUIRED)
-message(STATUS "ddpx: Torch ${Torch_VERSION} (${TORCH_INSTALL_PREFIX})")
+message(STATUS "ddpx: Torch ${Torch_VERSION} (${TORCH_INSTALL_PREFIX}; libtorch ${TORCH_LIBRARY})")
+if(NOT DDPX_TORCH_ROOT)
+  set(DDPX_TORCH_ROOT "${TORCH_INSTALL_PREFIX}")
+endif()
 
 # Debian's libtorch-dev lacks torch/csrc/distributed/autograd/**, which c10d/reducer.hpp needs.
 set(DDPX_COMPAT_INCLUDE_DIR "")
@@ -40,7 +84,6 @@ if(NOT _ddpx_ctx_found)
   message(STATUS "ddpx: torch lacks dist_autograd headers; using ${DDPX_COMPAT_INCLUDE_DIR}")
 endif()
 
-# Gloo is needed by C++ tests that build ProcessGroupGloo directly.
 set(DDPX_TORCH_HAS_CUDA OFF)
 if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
   set(DDPX_TORCH_HAS_CUDA ON)
