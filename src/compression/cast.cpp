@@ -49,8 +49,12 @@ kernels::DType to_kernel_dtype(at::ScalarType t, const char* what) {
 }
 
 at::Tensor scaled_cast(const at::Tensor& src, at::ScalarType dtype, double scale) {
+  TORCH_CHECK(src.defined(), "ddpx::scaled_cast: src must be defined");
+  // Checked before contiguous(): torch 2.x raises an unrelated message for a sparse tensor there.
+  TORCH_CHECK(src.layout() == at::kStrided, "ddpx::scaled_cast: sparse tensors are not supported, got ",
+              src.layout());
   at::Tensor dst = at::empty({src.numel()}, src.options().dtype(dtype));
-  scaled_cast_into(src, dst, scale);
+  scaled_cast_into(src.contiguous(), dst, scale);
   return dst;
 }
 

@@ -207,7 +207,7 @@ PYBIND11_MODULE(_C, m) {
       [](const at::Tensor& src, const py::object& dtype, double scale) {
         const at::ScalarType st = to_dtype(dtype, "dtype");
         py::gil_scoped_release no_gil;
-        return ddpx::scaled_cast(src.contiguous(), st, scale);
+        return ddpx::scaled_cast(src, st, scale);
       },
       py::arg("src"), py::arg("dtype"), py::arg("scale") = 1.0,
       "Returns (src * scale) cast to dtype, flattened (the compression kernel).");

@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
+import torch_compat as tc
 
 # DDP bucket cap: 8 KiB (2048 fp32), for the first bucket too (dist._DEFAULT_FIRST_BUCKET_BYTES).
 # torch 1.13's DDP puts the whole model in one bucket, in registration order, for the first
@@ -89,10 +90,10 @@ def param_shapes() -> List[Tuple[str, Tuple[int, ...]]]:
 def wrap_ddp(model: nn.Module, first_bucket_bytes: int = BUCKET_BYTES,
              device_ids=None, process_group=None) -> DDP:
     """DDP with BUCKET_BYTES buckets; first_bucket_bytes: DDP's separate cap for the first
-    bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)."""
-    dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket_bytes
-    return DDP(model, bucket_cap_mb=BUCKET_BYTES / 2 ** 20, device_ids=device_ids,
-               process_group=process_group)
+    bucket after DDP's rebuild (dist._DEFAULT_FIRST_BUCKET_BYTES in torch 1.13;
+    bucket_cap_mb_list in 2.x, see torch_compat)."""
+    return DDP(model, device_ids=device_ids, process_group=process_group,
+               **tc.ddp_bucket_kwargs(BUCKET_BYTES, first_bucket_bytes))
 
 
 # ---- configurations --------------------------------------------------------------------------

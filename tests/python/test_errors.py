@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_cases as dc
 import ddpx
+import torch_compat as tc
 from dist_utils import run_ranks
 
 WORLD_SIZE = 2
@@ -151,9 +152,11 @@ def test_native_state_must_be_a_process_group():
 
 def test_dropin_state_must_be_a_process_group():
     """Drop-in: torch stores any state; the ddpx hook's TypeError surfaces from backward()
-    (as DDP's RuntimeError, carrying the TypeError's text)."""
-    check("state_not_pg_dropin_backward", "RuntimeError", "TypeError",
-          "state must be a torch.distributed.ProcessGroup or None", "int")
+    (torch 1.13: as DDP's RuntimeError, carrying the TypeError's text; 2.x: the TypeError)."""
+    needles = ["state must be a torch.distributed.ProcessGroup or None", "int"]
+    if not tc.HOOK_ERRORS_KEEP_TYPE:
+        needles.append("TypeError")
+    check("state_not_pg_dropin_backward", tc.hook_error_type("TypeError"), *needles)
 
 
 def test_non_ddp_model_is_refused():

@@ -13,7 +13,8 @@ namespace ddpx {
 // Kernel dtype tag for a floating tensor dtype; a clear error naming `what` otherwise.
 kernels::DType to_kernel_dtype(at::ScalarType t, const char* what);
 
-// Returns a new contiguous tensor of dtype `dtype` on src's device: cast(scale * src).
+// Returns a new 1-D tensor of dtype `dtype` on src's device: cast(scale * src), in src's logical
+// order (any strided src; sparse ones are refused).
 at::Tensor scaled_cast(const at::Tensor& src, at::ScalarType dtype, double scale);
 
 // dst = cast(scale * src) in place of dst's storage; shapes need only agree in numel.
