@@ -45,6 +45,9 @@ class CMakeBuild(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(pkg_dir, built[0]), target)
+        # The torch this module was built against, checked by ddpx/_loader.py at import.
+        shutil.copyfile(os.path.join(pkg_dir, "_build_info.py"),
+                        os.path.join(os.path.dirname(target), "_build_info.py"))
 
 
 setup(

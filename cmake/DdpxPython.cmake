@@ -50,6 +50,16 @@ endif()
 set(DDPX_PY_PACKAGE_DIR "${CMAKE_BINARY_DIR}/python/ddpx" CACHE INTERNAL "")
 set_target_properties(_C PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${DDPX_PY_PACKAGE_DIR}")
 
+# What ddpx._C was built against, read by ddpx/_loader.py before it loads the module (a ddpx built
+# for another torch then fails with both versions named instead of an undefined symbol).
+if(DDPX_WITH_CUDA)
+  set(_ddpx_with_cuda_py True)
+else()
+  set(_ddpx_with_cuda_py False)
+endif()
+configure_file("${CMAKE_CURRENT_SOURCE_DIR}/cmake/build_info.py.in"
+  "${DDPX_PY_PACKAGE_DIR}/_build_info.py" @ONLY)
+
 # Mirror the pure-Python sources next to the module so the build tree is importable.
 file(GLOB _ddpx_py_files CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/python/ddpx/*.py")
 set(_ddpx_py_outputs "")

@@ -5,7 +5,7 @@
 # torch: $DDPX_PYTHON, Python_EXECUTABLE, python3 on PATH, /usr/bin/python3. Its torch is the
 # one ddpx is built against (CMake finds it through torch.utils.cmake_prefix_path).
 #
-# Sets: DDPX_PYTHON, DDPX_TORCH_ROOT, DDPX_TORCH_CUDA_VERSION ("" for a CPU torch),
+# Sets: DDPX_PYTHON, DDPX_TORCH_ROOT, DDPX_TORCH_VERSION ("2.11.0"), DDPX_TORCH_CUDA_VERSION ("" for a CPU torch),
 # DDPX_TORCH_ARCH_LIST (the GPU architectures torch was built for, e.g. "75;80;90"),
 # DDPX_COMPAT_INCLUDE_DIR, DDPX_TORCH_HAS_CUDA.
 include(DdpxTorchLibs)
@@ -16,8 +16,10 @@ list(APPEND _ddpx_py_candidates "${_ddpx_path_python3}" /usr/bin/python3)
 set(DDPX_PYTHON "")
 set(DDPX_TORCH_CUDA_VERSION "")
 set(DDPX_TORCH_ARCH_LIST "")
+set(DDPX_TORCH_VERSION "")
 # One line each: cmake prefix, torch.version.cuda, the sm_XY flags torch was compiled with
-# (torch.cuda.get_arch_list() is empty without a GPU; the compiled-in flags are not).
+# (torch.cuda.get_arch_list() is empty without a GPU; the compiled-in flags are not), the
+# version without its local part ("2.11.0").
 set(_ddpx_torch_probe [=[
 import torch
 print(torch.utils.cmake_prefix_path)
@@ -29,6 +31,7 @@ if torch.version.cuda:
     except Exception:
         flags = ""
 print(" ".join(f for f in flags.split() if f.startswith("sm_")))
+print(torch.__version__.split("+")[0])
 ]=])
 foreach(_cand IN LISTS _ddpx_py_candidates)
   if(_cand AND EXISTS "${_cand}" AND NOT DDPX_PYTHON)
@@ -45,6 +48,9 @@ foreach(_cand IN LISTS _ddpx_py_candidates)
       if(_n GREATER 2)
         list(GET _lines 2 _flags)
         string(REGEX MATCHALL "[0-9]+a?" DDPX_TORCH_ARCH_LIST "${_flags}")
+      endif()
+      if(_n GREATER 3)
+        list(GET _lines 3 DDPX_TORCH_VERSION)
       endif()
     endif()
   endif()
@@ -69,6 +75,9 @@ find_package(Torch REQUIRED)
 message(STATUS "ddpx: Torch ${Torch_VERSION} (${TORCH_INSTALL_PREFIX}; libtorch ${TORCH_LIBRARY})")
 if(NOT DDPX_TORCH_ROOT)
   set(DDPX_TORCH_ROOT "${TORCH_INSTALL_PREFIX}")
+endif()
+if(NOT DDPX_TORCH_VERSION)
+  set(DDPX_TORCH_VERSION "${Torch_VERSION}")
 endif()
 
 # Debian's libtorch-dev lacks torch/csrc/distributed/autograd/**, which c10d/reducer.hpp needs.

@@ -1,47 +1,137 @@
-# Shared by scripts/test.sh and scripts/main.sh: installing dependencies and building ddpx.
-# Source it from the repository root.
+# Shared by scripts/test.sh, scripts/main.sh and .ci/run: installing dependencies and building
+# ddpx against one of the two torch lines it supports. Source it from the repository root.
+#
+#   DDPX_TORCH=pip     (default) pip's torch 2.x, pinned in scripts/requirements-torch2.txt,
+#                      in its own venv .venv (no system site packages); CMake tree build/,
+#                      pip build tree build-pip/.
+#   DDPX_TORCH=debian  Debian's torch 1.13 (apt: python3-torch, libtorch-dev), in .venv-debian
+#                      (--system-site-packages, to see it); trees build-debian/, build-pip-debian/.
+#
+# Wheels are downloaded once into a wheelhouse outside the repository (DDPX_WHEELHOUSE, default
+# ~/.cache/ddpx/wheels) and installed from it, so a second command, a fresh clone or a rebuilt
+# venv on the same machine downloads nothing. A venv whose requirements are unchanged since
+# it was made is reused as it is.
 
+DDPX_TORCH=${DDPX_TORCH:-pip}
+case "$DDPX_TORCH" in
+  pip)
+    DDPX_VENV=${DDPX_VENV:-.venv}
+    DDPX_BUILD=${DDPX_BUILD:-build}
+    DDPX_PIP_BUILD=${DDPX_PIP_BUILD:-build-pip}
+    ;;
+  debian)
+    DDPX_VENV=${DDPX_VENV:-.venv-debian}
+    DDPX_BUILD=${DDPX_BUILD:-build-debian}
+    DDPX_PIP_BUILD=${DDPX_PIP_BUILD:-build-pip-debian}
+    ;;
+  *)
+    echo "ddpx: DDPX_TORCH must be 'pip' or 'debian', got '$DDPX_TORCH'" >&2
+    exit 2
+    ;;
+esac
+DDPX_PY="$DDPX_VENV/bin/python"
+DDPX_REQUIREMENTS=scripts/requirements-torch2.txt
+DDPX_WHEELHOUSE=${DDPX_WHEELHOUSE:-$HOME/.cache/ddpx/wheels}
+
+# Build tools, the C++ test dependencies (GoogleTest, Google Benchmark, Gloo's headers for the
+# C++ tests that build ProcessGroupGloo directly) and python3-venv.
 DDPX_APT_PACKAGES=(
   cmake ninja-build g++ ccache git
-  libtorch-dev python3-torch pybind11-dev python3-pybind11 libgloo-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
-  python3-venv python3-setuptools python3-wheel python3-pip
+  libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev
+  python3-venv python3-pip
+)
+# Debian's torch 1.13 line, and the Python packages its tests and main job use.
+DDPX_APT_PACKAGES_DEBIAN=(
+  libtorch-dev python3-torch pybind11-dev python3-pybind11
+  python3-setuptools python3-wheel
   python3-numpy python3-pytest python3-pytest-xdist python3-sklearn python3-matplotlib
 )
 
-# The interpreter that has torch: Debian's, not whatever python3 comes first on PATH.
-DDPX_SYS_PYTHON=${DDPX_SYS_PYTHON:-/usr/bin/python3}
+# Seconds since the epoch, for the step timings the scripts print.
+ddpx_now() { date +%s; }
+ddpx_step() { echo "ddpx: [$(date +%H:%M:%S)] $*"; }
 
 ddpx_install_deps() {
-  local missing=()
-  local p
-  for p in "${DDPX_APT_PACKAGES[@]}"; do
+  local wanted=("${DDPX_APT_PACKAGES[@]}")
+  [ "$DDPX_TORCH" = debian ] && wanted+=("${DDPX_APT_PACKAGES_DEBIAN[@]}")
+  local missing=() p
+  for p in "${wanted[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -eq 0 ]; then
-    echo "ddpx: all apt packages present"
+    ddpx_step "all apt packages present"
     return 0
   fi
-  echo "ddpx: installing ${missing[*]}"
-  local sudo=""
+  ddpx_step "apt: installing ${missing[*]}"
+  local sudo="" t0
+  t0=$(ddpx_now)
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  ddpx_step "apt: done in $(( $(ddpx_now) - t0 )) s"
 }
 
-# Configures and builds the CMake tree in build/ (library, Python module, tests, benchmarks).
-ddpx_cmake_build() {
-  local build_dir=${1:-build}
-  shift || true
-  cmake -S . -B "$build_dir" -G Ninja -DDDPX_PYTHON="$DDPX_SYS_PYTHON" \
-    -DPython_EXECUTABLE="$DDPX_SYS_PYTHON" "$@"
-  cmake --build "$build_dir" -j "$(nproc)"
+# The interpreter to make the pip-torch venv from: $DDPX_BASE_PYTHON, else python3 on PATH,
+# else Debian's (python3-venv is installed above).
+ddpx_base_python() {
+  local cand
+  for cand in "${DDPX_BASE_PYTHON:-}" python3 /usr/bin/python3; do
+    [ -n "$cand" ] || continue
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+      command -v "$cand"
+      return 0
+    fi
+  done
+  echo "ddpx: no python3 with venv and ensurepip found (install python3-venv)" >&2
+  return 1
 }
 
-# Creates .venv (seeing Debian's torch) and pip-installs ddpx into it, as a user would.
-ddpx_pip_install() {
-  if [ ! -x .venv/bin/python ]; then
-    "$DDPX_SYS_PYTHON" -m venv --system-site-packages .venv
+# Creates the venv of the chosen torch line (reused when its requirements are unchanged).
+ddpx_setup_python() {
+  local t0 stamp_file want
+  t0=$(ddpx_now)
+  stamp_file="$DDPX_VENV/.ddpx-requirements"
+  if [ "$DDPX_TORCH" = debian ]; then
+    want="debian-system-site-packages"
+  else
+    want=$(sha256sum "$DDPX_REQUIREMENTS" | cut -d' ' -f1)
   fi
-  .venv/bin/python -m pip install --no-build-isolation --no-deps --no-index -q . 
+  if [ -x "$DDPX_PY" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
+    ddpx_step "reusing $DDPX_VENV ($("$DDPX_PY" -W ignore -c 'import torch; print("torch", torch.__version__)'))"
+    return 0
+  fi
+  rm -rf "$DDPX_VENV"
+  if [ "$DDPX_TORCH" = debian ]; then
+    /usr/bin/python3 -m venv --system-site-packages "$DDPX_VENV"
+  else
+    "$(ddpx_base_python)" -m venv "$DDPX_VENV"
+    mkdir -p "$DDPX_WHEELHOUSE"
+    ddpx_step "pip: downloading into $DDPX_WHEELHOUSE what is not there yet"
+    "$DDPX_PY" -m pip download -q -d "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
+    ddpx_step "pip: installing into $DDPX_VENV from the wheelhouse"
+    "$DDPX_PY" -m pip install -q --no-index --find-links "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
+  fi
+  echo "$want" >"$stamp_file"
+  ddpx_step "$DDPX_VENV ready in $(( $(ddpx_now) - t0 )) s ($("$DDPX_PY" -W ignore -c 'import torch; print("torch", torch.__version__)'))"
+}
+
+# Configures and builds the CMake tree $DDPX_BUILD (library, Python module, tests, benchmarks)
+# against the venv's torch.
+ddpx_cmake_build() {
+  local t0
+  t0=$(ddpx_now)
+  cmake -S . -B "$DDPX_BUILD" -G Ninja -DDDPX_PYTHON="$PWD/$DDPX_PY" \
+    -DPython_EXECUTABLE="$PWD/$DDPX_PY" "$@"
+  cmake --build "$DDPX_BUILD" -j "$(nproc)"
+  ddpx_step "CMake build ($DDPX_BUILD) in $(( $(ddpx_now) - t0 )) s"
+}
+
+# pip-installs ddpx into the venv, as a user would: no build isolation (the venv's torch is the
+# one CMake finds), no index (everything it needs is already there).
+ddpx_pip_install() {
+  local t0
+  t0=$(ddpx_now)
+  DDPX_BUILD_DIR="$PWD/$DDPX_PIP_BUILD" "$DDPX_PY" -m pip install -q --no-build-isolation \
+    --no-deps --no-index .
+  ddpx_step "pip install --no-build-isolation . in $(( $(ddpx_now) - t0 )) s"
 }

@@ -1,19 +1,50 @@
-"""Loads the compiled module ddpx._C and checks it matches the installed torch."""
+"""Loads the compiled module ddpx._C and checks that it was built for the installed torch.
+
+ddpx's C++ code links one torch's libraries and C++ ABI, so a ddpx built for another torch
+cannot work: it fails to load (undefined symbols) or, worse, loads and misbehaves. The build
+writes ``_build_info.py`` beside the module (the torch it was compiled against); it is checked
+*before* the module is loaded, so the error names both versions and says how to rebuild.
+"""
 import torch
+
+_REBUILD = ("rebuild ddpx in this environment: `pip install --no-build-isolation .` from the "
+            "ddpx sources (no build isolation, so that this torch is the one it builds against)")
+
+
+def _installed_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+try:
+    from . import _build_info
+except ImportError:  # pragma: no cover - a build tree from before _build_info existed
+    _build_info = None
+
+if _build_info is not None:
+    _built = _build_info.TORCH_VERSION
+    if _major_minor(_built) != _major_minor(_installed_version()):
+        raise ImportError(
+            f"ddpx was built against torch {_built} but torch {torch.__version__} is installed "
+            f"(ddpx needs the same torch major.minor it was compiled for); {_REBUILD}.")
+    if bool(_build_info.TORCH_CUDA) and not torch.version.cuda:
+        raise ImportError(
+            f"ddpx was built against a CUDA build of torch {_built} (CUDA "
+            f"{_build_info.TORCH_CUDA}) but the installed torch {torch.__version__} has no CUDA; "
+            f"{_REBUILD}.")
 
 try:
     from . import _C
 except ImportError as exc:  # pragma: no cover - depends on the install
+    built = f" (built against torch {_build_info.TORCH_VERSION})" if _build_info else ""
     raise ImportError(
-        "ddpx: cannot load the compiled module ddpx._C ({}). ddpx must be built against the "
-        "torch it runs with (installed: torch {}); rebuild it with "
-        "`pip install --no-build-isolation .` in this environment.".format(exc, torch.__version__)
-    ) from exc
+        f"ddpx: cannot load the compiled module ddpx._C{built} with the installed torch "
+        f"{torch.__version__}: {exc}. {_REBUILD}.") from exc
 
-_installed = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-if _C.__torch_version__ != _installed:
+if _C.__torch_version__ != _major_minor(_installed_version()):
     raise ImportError(
-        "ddpx: the compiled module ddpx._C was built against torch {} but torch {} is "
-        "installed; rebuild ddpx with `pip install --no-build-isolation .` in this "
-        "environment.".format(_C.__torch_version__, torch.__version__)
-    )
+        f"ddpx: the compiled module ddpx._C was built against torch {_C.__torch_version__} but "
+        f"torch {torch.__version__} is installed; {_REBUILD}.")

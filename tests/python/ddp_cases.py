@@ -83,7 +83,8 @@ TORCH_HOOKS: Dict[str, Optional[Callable[[], Callable]]] = {
     "torch_fp16_wrap": lambda: torch_hooks.fp16_compress_wrapper(torch_hooks.allreduce_hook),
 }
 
-# torch's bf16 hooks: only where torch accepts them (CUDA tensors on NCCL >= 2.10).
+# torch's bf16 hooks: only where torch accepts them (a CUDA build of torch with NCCL >= 2.10;
+# on Gloo also a torch 2.x Gloo: see torch_compat.TORCH_BF16_HOOKS_ON_GLOO).
 TORCH_HOOKS_NCCL: Dict[str, Callable[[], Callable]] = {
     "torch_bf16": lambda: torch_hooks.bf16_compress_hook,
     "torch_bf16_wrap": lambda: torch_hooks.bf16_compress_wrapper(torch_hooks.allreduce_hook),
@@ -263,6 +264,13 @@ def exact_mean(local: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def mean_abs(local: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([x.double().abs() for x in local]).mean(0)
+
+
+def bf16_vs_torch_bound(local: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Element-wise bound on |ddpx bf16_compress_hook - torch bf16_compress_hook| (Gloo): the
+    argument of fp16_vs_torch_bound with bf16's unit roundoff, (W + 3) U S. bf16 has fp32's
+    exponent range, so no subnormal term arises at gradient magnitudes."""
+    return (len(local) + 3) * U_BF16 * mean_abs(local)
 
 
 def fp16_vs_torch_bound(local: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ddp_cases as dc
+import torch_compat as tc
 from dist_utils import run_ranks
 
 VARIANTS = {
@@ -31,7 +32,11 @@ SCENARIO_IDS = [f"W{w}-{v}" for w, v in SCENARIOS]
 @functools.lru_cache(maxsize=None)
 def grads(world_size: int, variant: str):
     """results[rank][config][iteration] -> flat gradient."""
-    return run_ranks(dc.rank_grads, world_size, args=(dc.all_configs(), ITERATIONS),
+    torch_names = tuple(dc.TORCH_HOOKS)
+    if tc.TORCH_BF16_HOOKS_ON_GLOO:
+        torch_names += tuple(dc.TORCH_HOOKS_NCCL)
+    return run_ranks(dc.rank_grads, world_size,
+                     args=(dc.all_configs(torch_names=torch_names), ITERATIONS),
                      kwargs=VARIANTS[variant])
 
 
@@ -123,7 +128,8 @@ def test_fp16_compress_hook(world_size, variant):
 
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_bf16_compress_hook(world_size, variant):
-    """ddpx bf16 on Gloo (torch 1.13's own refuses Gloo): equal to the closed form (mean of
+    """ddpx bf16 on Gloo (torch 1.13's own refuses Gloo; 2.x's CUDA builds accept it, see
+    test_bf16_against_torchs_own): equal to the closed form (mean of
     bf16(x_r / W), summed in fp32), and within bf16 rounding of the exact mean: one rounding
     of each x_r / W, |error| <= U_BF16 * mean_r |x_r|, plus fp32 summation (W 2^-24 S)."""
     res = grads(world_size, variant)
@@ -138,6 +144,31 @@ def test_bf16_compress_hook(world_size, variant):
             bound = (dc.U_BF16 + world_size * 2.0 ** -24) * dc.mean_abs(local)
             assert max_violation(got, dc.exact_mean(local), bound) <= 0, (config, it)
             assert not torch.equal(got, res[0]["torch_allreduce"][it])
+
+
+@pytest.mark.skipif(not tc.TORCH_BF16_HOOKS_ON_GLOO,
+                    reason="this torch's bf16 hooks refuse Gloo (torch 1.13, or a CPU-only build)")
+@pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
+def test_bf16_against_torchs_own(world_size, variant):
+    """Where torch's own bf16 hooks run on Gloo (torch 2.x CUDA builds): ddpx's bf16 hook and
+    wrapper against them, within the rounding bound of the two orders of operations (torch:
+    cast, divide in bf16, sum along Gloo's ring in bf16; ddpx: x_r / W rounded once, summed
+    in fp32), and ddpx's hook no further from the exact mean than torch's."""
+    res = grads(world_size, variant)
+    assert_same_on_all_ranks(res, "torch_bf16")
+    for mode in dc.MODES:
+        for it in range(ITERATIONS):
+            local = local_grads(res, it)
+            bound = dc.bf16_vs_torch_bound(local)
+            got = res[0][f"ddpx_bf16_{mode}"][it]
+            ref = res[0]["torch_bf16"][it]
+            assert not torch.equal(ref, res[0]["torch_allreduce"][it])  # torch's went via bf16
+            assert max_violation(got, ref, bound) <= 0, (mode, it)
+            mean = dc.exact_mean(local)
+            assert (got.double() - mean).norm() <= (ref.double() - mean).norm(), (mode, it)
+            wrap = res[0][f"ddpx_bf16_wrap_{mode}"][it]
+            wrap_ref = res[0]["torch_bf16_wrap"][it]
+            assert max_violation(wrap, wrap_ref, bound + dc.U_BF16 * dc.mean_abs(local)) <= 0
 
 
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)

@@ -51,3 +51,30 @@ def _torch_batched_powersgd_works() -> bool:
 
 
 TORCH_BATCHED_POWERSGD_WORKS = _torch_batched_powersgd_works()
+
+
+def _torch_bf16_hooks_on_gloo() -> bool:
+    """Whether torch's own bf16_compress_hook / bf16_compress_wrapper run on Gloo (CPU).
+
+    DDP's _check_comm_hook refuses them unless torch is a CUDA 11+ build with NCCL >= 2.10 (a
+    GPU is not needed: pip's CUDA wheel passes on a CPU-only machine, Debian's CPU-only 1.13
+    does not), and Gloo must reduce bf16, which 1.13's Gloo cannot. Seen: 2.11.0+cu130 runs
+    both on 2 Gloo CPU ranks; 1.13 raises "BF16 all reduce communication hook required CUDA
+    11+ and NCCL 2.10+"."""
+    if TORCH_VERSION < (2, 0) or not torch.version.cuda:
+        return False
+    if int(torch.version.cuda.split(".")[0]) < 11 or not dist.is_nccl_available():
+        return False
+    try:
+        return tuple(torch.cuda.nccl.version())[:2] >= (2, 10)
+    except Exception:  # noqa: BLE001 - no NCCL library loadable
+        return False
+
+
+TORCH_BF16_HOOKS_ON_GLOO = _torch_bf16_hooks_on_gloo()
+
+
+# torch 1.13's torchrun crashes at launch on Python 3.11 ('NoneType' object has no attribute
+# 'get' in elastic's to_map: 3.11 no longer iterates the zero member of the Std flag enum);
+# `--redirects 1 --tee 1` avoids it. torch 2.x launches plainly.
+TORCHRUN_WORKAROUND_ARGS = ["--redirects", "1", "--tee", "1"] if TORCH_VERSION < (2, 0) else []
