@@ -5,11 +5,11 @@ Launch (2 processes, Gloo on CPU; NCCL when there is one GPU per process), with 
 (`pip install --no-build-isolation .`, as scripts/main.sh does into .venv)::
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 \
-        --redirects 1 --tee 1 examples/train_digits.py --out out/
+        examples/train_digits.py --out out/
 
-(`--redirects 1 --tee 1` works around a crash of torch 1.13's torchrun on Python 3.11; it
-prefixes every line a rank prints with ``[default<rank>]:``, so the final table is also written,
-unprefixed, to ``out/results.md``.)
+(With Debian's torch 1.13 on Python 3.11 add `--redirects 1 --tee 1`: it works around a crash of
+that torchrun; it prefixes every line a rank prints with ``[default<rank>]:``, so the final table
+is also written, unprefixed, to ``out/results.md``.)
 
 Every configuration in ``CONFIGS`` trains the same MLP from the same initial weights on the same
 data order, and the table reports test accuracy (all ranks), median ms per training step after
@@ -261,8 +261,8 @@ def local_subgroup(args: argparse.Namespace) -> Any:
             raise ValueError(f"--localsgd-subgroup {g} does not divide the world size {world}")
         # What new_subgroups(group_size=g) does; torch 1.13's new_subgroups and
         # new_subgroups_by_enumeration raise ValueError ("Subgroups can only be created when
-        # CUDA is available") whatever the arguments. new_group is collective: all ranks create
-        # every subgroup, in the same order.
+        # CUDA is available") whatever the arguments (2.x's only without a group_size). new_group
+        # is collective: all ranks create every subgroup, in the same order.
         for k in range(0, world, g):
             grp = dist.new_group(ranks=list(range(k, k + g)))
             if k <= dist.get_rank() < k + g:
@@ -708,8 +708,8 @@ def render_markdown(rows, meta) -> str:
             "never compressed. torch's powerSGD_hook runs with its DDP model in one bucket: with "
             "several buckets on Gloo it issues collectives from future callbacks in an order "
             "the ranks can disagree on (gloo::EnforceNotMet or a hang); ddpx's hooks use DDP's "
-            "default buckets. torch's batched_powerSGD_hook is not in the table: torch 1.13's "
-            "fails with an AssertionError in _orthogonalize.")
+            "default buckets. torch's batched_powerSGD_hook is not in the table: torch's (1.13 "
+            "and 2.11 alike) fails with an AssertionError in _orthogonalize.")
     notes = meta.get("notes") or []
     for n in notes:
         lines.append(f"- {n}")
@@ -883,8 +883,8 @@ def main(argv=None) -> int:
                 f"before), then gradients allreduced in a subgroup of {ls['subgroup_size']} "
                 "rank(s) (built with `dist.new_group`, passed to torch's and ddpx's "
                 "PostLocalSGDState alike: the 2 ranks share one machine, so a real intra-node "
-                "group would be the whole world, and torch 1.13's subgroup=None and "
-                "new_subgroups() raise ValueError without CUDA) and the parameters averaged "
+                "group would be the whole world, and torch's subgroup=None and "
+                "new_subgroups() raise ValueError without CUDA, in 1.13 and 2.x) and the parameters averaged "
                 f"globally every {ls['period']} steps ({ls['averaging_steps']} averagings, the "
                 "last after the last step, so the scored replicas are averaged); optimizer "
                 "PostLocalSGDOptimizer(SGD, PeriodicModelAverager), torch's classes for the "

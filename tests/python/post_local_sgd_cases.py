@@ -7,9 +7,12 @@ in the pytest process. `rank_cases` runs several named checks in one launch; a c
 returns {"error": traceback} instead of failing the whole launch, so that the test reading it
 fails with that traceback while the others still pass.
 
-torch 1.13 CPU quirk: dist.new_subgroups() / new_subgroups_by_enumeration() raise ValueError
-without CUDA. Subgroups are built here with dist.new_group (`make_subgroups`), handed to both
-torch's and ddpx's hook, and torch's HierarchicalModelAverager is constructed with
+torch CPU quirks (torch_compat): torch 1.13's dist.new_subgroups() and
+new_subgroups_by_enumeration() raise ValueError without CUDA; torch 2.x's work with an explicit
+group_size, and only new_subgroups() with the default size needs CUDA (so torch's
+post_localSGD_hook with subgroup=None fails on CPU on both). Subgroups are built here with
+dist.new_group (`make_subgroups`) and handed to both torch's and ddpx's hook; torch's
+HierarchicalModelAverager runs with its own new_subgroups on 2.x, and on 1.13 with
 dist.new_subgroups temporarily replaced by the same construction (`cpu_new_subgroups`).
 """
 import contextlib
@@ -28,6 +31,8 @@ from torch.distributed.algorithms.model_averaging import averagers as tavg
 from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as thier
 from torch.distributed.algorithms.model_averaging import utils as tutils
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
+
+import torch_compat as tc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
@@ -101,7 +106,10 @@ def make_subgroups(group_size: int):
 @contextlib.contextmanager
 def cpu_new_subgroups():
     """dist.new_subgroups replaced by make_subgroups while torch's HierarchicalModelAverager is
-    constructed (torch's own raises ValueError without CUDA)."""
+    constructed, where torch's own raises ValueError without CUDA (1.13); torch's own otherwise."""
+    if tc.NEW_SUBGROUPS_WITHOUT_CUDA:
+        yield
+        return
     original = dist.new_subgroups
 
     def new_subgroups(group_size=None, group=None, **kwargs):

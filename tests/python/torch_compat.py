@@ -78,3 +78,19 @@ TORCH_BF16_HOOKS_ON_GLOO = _torch_bf16_hooks_on_gloo()
 # 'get' in elastic's to_map: 3.11 no longer iterates the zero member of the Std flag enum);
 # `--redirects 1 --tee 1` avoids it. torch 2.x launches plainly.
 TORCHRUN_WORKAROUND_ARGS = ["--redirects", "1", "--tee", "1"] if TORCH_VERSION < (2, 0) else []
+
+
+def _new_subgroups_without_cuda() -> bool:
+    """torch 1.13's new_subgroups_by_enumeration (and so new_subgroups with any group_size)
+    raises "Subgroups can only be created when CUDA is available"; torch 2.x's builds them on
+    CPU (only new_subgroups() with the default size, one per GPU, still needs CUDA). Seen on
+    2 Gloo ranks: 1.13 raises for both; 2.11 builds new_subgroups(group_size=1)."""
+    import torch.distributed.distributed_c10d as c10d
+    try:
+        source = inspect.getsource(c10d.new_subgroups_by_enumeration)
+    except (OSError, TypeError):  # pragma: no cover - no sources installed
+        return TORCH_VERSION >= (2, 0)
+    return "Subgroups can only be created when CUDA is available" not in source
+
+
+NEW_SUBGROUPS_WITHOUT_CUDA = _new_subgroups_without_cuda()
