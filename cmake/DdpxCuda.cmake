@@ -40,10 +40,10 @@ if(DDPX_HAVE_NVCC AND DDPX_TORCH_HAS_CUDA)
       "${DDPX_TORCH_CUDA_VERSION}: ddpx's CUDA kernels cannot be used with this torch. Install "
       "the CUDA ${_torch_major}.x toolkit (or point CMAKE_CUDA_COMPILER / CUDACXX at its nvcc), "
       "or install a torch built for CUDA ${_nvcc_major}.x")
-    if(DDPX_CUDA STREQUAL "ON")
-      message(FATAL_ERROR "ddpx: DDPX_CUDA=ON but ${_msg}.")
-    endif()
     string(REPLACE ";" "" _msg "${_msg}")
+    if(DDPX_CUDA STREQUAL "ON")
+      message(FATAL_ERROR "ddpx: DDPX_CUDA=ON, but ${_msg}.")
+    endif()
     message(WARNING "ddpx: ${_msg}. Building without ddpx's CUDA path (DDPX_CUDA=AUTO); "
       "CUDA tensors then raise a clear error in ddpx.")
   else()

@@ -2,7 +2,7 @@
 #
 # The first `python3` on PATH may lack torch (Debian: /usr/bin/python3 has Debian's torch 1.13,
 # a pyenv or venv python may have pip's torch 2.x). We pick the first candidate that imports
-# torch: $DDPX_PYTHON, Python_EXECUTABLE, python3 on PATH, /usr/bin/python3. Its torch is the
+# torch: -DDDPX_PYTHON=..., $DDPX_PYTHON, Python_EXECUTABLE, python3 on PATH, /usr/bin/python3. Its torch is the
 # one ddpx is built against (CMake finds it through torch.utils.cmake_prefix_path).
 #
 # Sets: DDPX_PYTHON, DDPX_TORCH_ROOT, DDPX_TORCH_VERSION ("2.11.0"), DDPX_TORCH_CUDA_VERSION ("" for a CPU torch),
@@ -10,7 +10,7 @@
 # DDPX_COMPAT_INCLUDE_DIR, DDPX_TORCH_HAS_CUDA.
 include(DdpxTorchLibs)
 
-set(_ddpx_py_candidates "$ENV{DDPX_PYTHON}" "${Python_EXECUTABLE}")
+set(_ddpx_py_candidates "${DDPX_PYTHON}" "$ENV{DDPX_PYTHON}" "${Python_EXECUTABLE}")
 find_program(_ddpx_path_python3 python3)
 list(APPEND _ddpx_py_candidates "${_ddpx_path_python3}" /usr/bin/python3)
 set(DDPX_PYTHON "")
