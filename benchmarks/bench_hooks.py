@@ -59,7 +59,7 @@ CONFIGS = {
     "torch_builtin_fp16": ("torch", "builtin", "BuiltinCommHookType.FP16_COMPRESS (C++)"),
     "ddpx_fp16_dropin": ("ddpx", "drop-in", "ddpx.hooks.fp16_compress_hook"),
     "ddpx_fp16_native": ("ddpx", "native", "ddpx.hooks.fp16_compress_hook"),
-    "torch_bf16": ("torch", "python", "default_hooks.bf16_compress_hook (NCCL+CUDA only)"),
+    "torch_bf16": ("torch", "python", "default_hooks.bf16_compress_hook"),
     "ddpx_bf16_dropin": ("ddpx", "drop-in", "ddpx.hooks.bf16_compress_hook"),
     "ddpx_bf16_native": ("ddpx", "native", "ddpx.hooks.bf16_compress_hook"),
 }
@@ -84,8 +84,11 @@ PAIRS = [
 
 def available_configs(backend: str, device: torch.device) -> List[str]:
     names = list(CONFIGS)
-    if not (backend == "nccl" and device.type == "cuda"):
-        # torch 1.13 refuses it outright on Gloo / without CUDA; torch 2.x asserts NCCL.
+    from ddpx._torch_compat import TORCH_BF16_HOOKS_ON_GLOO
+    if not ((backend == "nccl" and device.type == "cuda") or
+            (backend == "gloo" and TORCH_BF16_HOOKS_ON_GLOO)):
+        # torch refuses it without a CUDA build with NCCL >= 2.10, and 1.13's Gloo has no bf16;
+        # a torch 2.x CUDA build runs it on Gloo, even without a GPU.
         names.remove("torch_bf16")
     return names
 

@@ -1,4 +1,5 @@
-"""What the tests rely on that differs between the torch versions ddpx supports.
+"""What the tests rely on that differs between the torch versions ddpx supports (facts the
+library or the benchmarks need too live in ddpx/_torch_compat.py and are re-exported here).
 
 Checked on Debian's torch 1.13.1 and pip's torch 2.11.0. Tests read these names instead of
 comparing versions, so a new difference is added here, once, with what was seen on each torch.
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+from ddpx._torch_compat import TORCH_VERSION  # noqa: E402
 
 # An exception raised by a Python comm hook during backward(): torch 1.13 reports it as a
 # RuntimeError whose text carries the original type's name and message; torch 2.x re-raises the
@@ -53,25 +54,8 @@ def _torch_batched_powersgd_works() -> bool:
 TORCH_BATCHED_POWERSGD_WORKS = _torch_batched_powersgd_works()
 
 
-def _torch_bf16_hooks_on_gloo() -> bool:
-    """Whether torch's own bf16_compress_hook / bf16_compress_wrapper run on Gloo (CPU).
-
-    DDP's _check_comm_hook refuses them unless torch is a CUDA 11+ build with NCCL >= 2.10 (a
-    GPU is not needed: pip's CUDA wheel passes on a CPU-only machine, Debian's CPU-only 1.13
-    does not), and Gloo must reduce bf16, which 1.13's Gloo cannot. Seen: 2.11.0+cu130 runs
-    both on 2 Gloo CPU ranks; 1.13 raises "BF16 all reduce communication hook required CUDA
-    11+ and NCCL 2.10+"."""
-    if TORCH_VERSION < (2, 0) or not torch.version.cuda:
-        return False
-    if int(torch.version.cuda.split(".")[0]) < 11 or not dist.is_nccl_available():
-        return False
-    try:
-        return tuple(torch.cuda.nccl.version())[:2] >= (2, 10)
-    except Exception:  # noqa: BLE001 - no NCCL library loadable
-        return False
-
-
-TORCH_BF16_HOOKS_ON_GLOO = _torch_bf16_hooks_on_gloo()
+# Whether torch's own bf16 hooks run on Gloo: a fact about torch that the benchmarks need too.
+from ddpx._torch_compat import TORCH_BF16_HOOKS_ON_GLOO  # noqa: E402,F401
 
 
 # torch 1.13's torchrun crashes at launch on Python 3.11 ('NoneType' object has no attribute
