@@ -5,14 +5,8 @@
 #   cmake -DDDPX_SOURCE_DIR=... -DDDPX_PYTHON=... -DDDPX_WORK_DIR=... -DFAKE_CUDA=12.8
 #         [-DDDPX_GENERATOR=Ninja] -P check_cuda_mismatch.cmake
 cmake_minimum_required(VERSION 3.19)
-foreach(_var DDPX_SOURCE_DIR DDPX_PYTHON DDPX_WORK_DIR FAKE_CUDA)
-  if(NOT DEFINED ${_var} OR "${${_var}}" STREQUAL "")
-    message(FATAL_ERROR "check_cuda_mismatch.cmake: ${_var} is required")
-  endif()
-endforeach()
-if(NOT DDPX_GENERATOR)
-  set(DDPX_GENERATOR Ninja)
-endif()
+include("${CMAKE_CURRENT_LIST_DIR}/script_args.cmake")
+ddpx_require_script_args(check_cuda_mismatch.cmake DDPX_SOURCE_DIR DDPX_PYTHON DDPX_WORK_DIR FAKE_CUDA)
 file(REMOVE_RECURSE "${DDPX_WORK_DIR}")
 file(MAKE_DIRECTORY "${DDPX_WORK_DIR}/site")
 file(WRITE "${DDPX_WORK_DIR}/site/sitecustomize.py"

@@ -5,14 +5,8 @@
 #         [-DDDPX_TORCH_DIR=...] [-DDDPX_BUILD_TYPE=...] -P run_consumer_example.cmake
 cmake_minimum_required(VERSION 3.19)  # COMMAND_ERROR_IS_FATAL
 
-foreach(_var DDPX_BUILD_DIR DDPX_EXAMPLE_SOURCE_DIR)
-  if(NOT DEFINED ${_var} OR "${${_var}}" STREQUAL "")
-    message(FATAL_ERROR "run_consumer_example.cmake: ${_var} is required")
-  endif()
-endforeach()
-if(NOT DDPX_GENERATOR)
-  set(DDPX_GENERATOR Ninja)
-endif()
+include("${CMAKE_CURRENT_LIST_DIR}/script_args.cmake")
+ddpx_require_script_args(run_consumer_example.cmake DDPX_BUILD_DIR DDPX_EXAMPLE_SOURCE_DIR)
 
 set(_prefix "${DDPX_BUILD_DIR}/_install")
 set(_build "${DDPX_BUILD_DIR}/_example")
