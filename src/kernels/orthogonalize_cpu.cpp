@@ -16,8 +16,16 @@ void gram_schmidt(T* m, int64_t n, int64_t r, double eps) {
       for (int64_t j = 0; j < n; ++j) m[j * r + i] = T(0);
       continue;
     }
-    const T inv = T(1.0 / (norm + eps));
-    for (int64_t j = 0; j < n; ++j) m[j * r + i] *= inv;
+    const double denom = norm + eps;
+    const T inv = T(1.0 / denom);
+    if (std::isfinite(inv)) {
+      for (int64_t j = 0; j < n; ++j) m[j * r + i] *= inv;  // torch's arithmetic: m * (1/norm)
+    } else {
+      // A tiny float column (0 < norm < ~2.9e-39, denormal entries): 1/norm overflows float, and
+      // scaling by it would turn the column into inf/NaN. Divide in double instead. (In double
+      // the squared norm underflows to 0 first: such a column is a zero column above.)
+      for (int64_t j = 0; j < n; ++j) m[j * r + i] = T(double(m[j * r + i]) / denom);
+    }
     for (int64_t c = i + 1; c < r; ++c) {
       double dot = 0;
       for (int64_t j = 0; j < n; ++j) dot += double(m[j * r + i]) * double(m[j * r + c]);

@@ -41,8 +41,14 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sq += double(m[j * r + i]) * m[j * r + i];
     const double norm = sqrt(block_sum(sq, shared));
     const bool zero = norm == 0.0 && eps == 0.0;
-    const T inv = zero ? T(0) : T(1.0 / (norm + eps));
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m[j * r + i] *= inv;
+    const double denom = norm + eps;
+    const T inv = zero ? T(0) : T(1.0 / denom);
+    if (isfinite(inv)) {
+      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m[j * r + i] *= inv;
+    } else {
+      // A tiny column: 1/norm overflows T (see orthogonalize_cpu.cpp); divide in double.
+      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m[j * r + i] = T(double(m[j * r + i]) / denom);
+    }
     __syncthreads();
     for (int64_t c = i + 1; c < r; ++c) {
       double dot = 0;

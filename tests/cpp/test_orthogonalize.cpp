@@ -354,6 +354,49 @@ TEST(OrthogonalizeCpuEpsilon, AddsEpsilonToTheNorm) {
   epsilon_closed_form<double>();
 }
 
+// Review finding B3: a float column whose norm is positive but below ~2.9e-39 (denormal entries)
+// has a reciprocal norm above FLT_MAX; scaling by it in float gave inf/NaN ({1e-40, -2e-40, 0,
+// 3e-40} -> inf -inf nan inf), and PowerSGD's error feedback would keep the NaN for good. The
+// column must come out unit-norm and finite, like any other; the next column orthogonal to it.
+// (In double the case cannot arise: the squared norm, accumulated in double, underflows to 0 long
+// before 1/norm overflows, and the column is then a zero column.)
+template <typename T>
+std::vector<T> tiny_column_input() {
+  // 4 x 2: column 0 denormal in float (1/norm > FLT_MAX), column 1 ordinary.
+  return {T(1e-40), T(1.0), T(-2e-40), T(2.0), T(0), T(-1.0), T(3e-40), T(0.5)};
+}
+
+template <typename T>
+void check_tiny_column(const std::vector<T>& in, const std::vector<T>& out) {
+  double n0 = 0, n1 = 0, dot = 0, in_norm = 0;
+  for (int j = 0; j < 4; ++j) {
+    ASSERT_TRUE(std::isfinite(double(out[j * 2])) && std::isfinite(double(out[j * 2 + 1])))
+        << "row " << j << ": " << out[j * 2] << ", " << out[j * 2 + 1];
+    n0 += double(out[j * 2]) * out[j * 2];
+    n1 += double(out[j * 2 + 1]) * out[j * 2 + 1];
+    dot += double(out[j * 2]) * out[j * 2 + 1];
+    in_norm += double(in[j * 2]) * in[j * 2];
+  }
+  in_norm = std::sqrt(in_norm);
+  EXPECT_NEAR(n0, 1.0, 1e-5);
+  EXPECT_NEAR(n1, 1.0, 1e-5);
+  EXPECT_NEAR(dot, 0.0, 1e-5);
+  // The direction is the input's (denormals carry few significant bits: a loose tolerance).
+  for (int j = 0; j < 4; ++j) EXPECT_NEAR(double(out[j * 2]), double(in[j * 2]) / in_norm, 1e-2);
+  EXPECT_EQ(out[2 * 2], T(0));  // the zero entry stays zero
+}
+
+template <typename T>
+void tiny_column_cpu() {
+  std::vector<T> in = tiny_column_input<T>(), data = in;
+  ASSERT_GT(std::fabs(in[0]), T(0)) << "this platform flushes denormals to zero";
+  const int64_t off = 0, rows = 4, cols = 2;
+  k::orthogonalize_cpu(data.data(), &off, &rows, &cols, 1, T(0));
+  check_tiny_column(in, data);
+}
+
+TEST(OrthogonalizeCpuEpsilon, TinyColumnStaysFiniteAndUnitNorm) { tiny_column_cpu<float>(); }
+
 TEST(OrthogonalizeCpuEpsilon, CountZeroWritesNothing) {
   std::vector<float> data = {1.f, 2.f, 3.f};
   const int64_t off = 0, rows = 3, cols = 1;
@@ -584,6 +627,20 @@ TEST_P(OrthogonalizeCuda, ZeroColumnsBecomeZeros) {
 
 INSTANTIATE_TEST_SUITE_P(Kernels, OrthogonalizeCuda, ::testing::ValuesIn(kOrthoCases),
                          ortho_case_name);
+
+// B3 on the GPU: the denormal column of TinyColumnStaysFiniteAndUnitNorm, through the CUDA kernel
+// (nvcc keeps float denormals unless built with -ftz=true), and the same values as the CPU's.
+TEST(OrthogonalizeCudaEpsilon, TinyColumnStaysFiniteAndUnitNorm) {
+  DDPX_SKIP_WITHOUT_GPU();
+  Pack<float> p = make_pack<float>({{4, 2}}, 5);
+  p.data = tiny_column_input<float>();
+  std::vector<float> gpu = p.data, cpu = p.data;
+  run_cuda(p, gpu, 0.0);
+  if (::testing::Test::HasFatalFailure()) return;
+  run_cpu(p, cpu, 0.0);
+  check_tiny_column(p.data, gpu);
+  for (size_t i = 0; i < gpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], 1e-6) << "element " << i;
+}
 
 template <typename T>
 void cuda_error_feedback(int64_t n) {

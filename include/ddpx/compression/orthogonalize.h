@@ -14,6 +14,8 @@ namespace kernels {
 // them orthonormal to rounding where one pass would not (torch uses QR there).
 // Norms and dot products accumulate in double. A column whose norm is 0 while epsilon == 0 is set
 // to zeros (torch divides by zero and spreads NaN; its own log message says zeros were meant).
+// A column too small for its reciprocal norm to fit the dtype (float denormals) is divided by its
+// norm in double instead: it comes out unit-norm and finite, never inf/NaN.
 void orthogonalize_cpu(float* data, const int64_t* offsets, const int64_t* rows,
                        const int64_t* cols, int64_t count, float epsilon);
 void orthogonalize_cpu(double* data, const int64_t* offsets, const int64_t* rows,
