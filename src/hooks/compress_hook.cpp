@@ -11,6 +11,36 @@ namespace {
 // Chunking of the gather path: about 1M elements (2 MiB of 16-bit values) per chunk, at most 8.
 constexpr int64_t kChunkElements = 1 << 20;
 constexpr int64_t kMaxChunks = 8;
+
+// A future on `buffer`'s device that completes with `buffer` once every chunk's future has.
+// Not c10::collectAll(...)->then(...): collectAll's future has no devices, and neither would its
+// then(), so on CUDA DDP's wait would not order the autograd stream after the chunks' sum
+// kernels, which run on pool streams (review finding B2). Here the completing thread's current
+// stream first waits on every chunk (Future::wait() on a CUDA future), and markCompleted then
+// records the result's events on that stream, after those waits.
+c10::intrusive_ptr<c10::ivalue::Future> all_chunks_done(
+    const c10::List<c10::intrusive_ptr<c10::ivalue::Future>>& parts, const at::Tensor& buffer) {
+  std::vector<c10::Device> devices;
+  if (!buffer.device().is_cpu()) devices.push_back(buffer.device());
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
+  c10::collectAll(parts)->addCallback([parts, result, buffer](c10::ivalue::Future& all) {
+    if (all.hasError()) {
+      result->setError(all.exception_ptr());
+      return;
+    }
+    try {
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const c10::intrusive_ptr<c10::ivalue::Future> fut = parts.get(i);
+        fut->wait();   // on CUDA: the current stream waits on the chunk's events
+        fut->value();  // rethrows a failed chunk
+      }
+      result->markCompleted(c10::IValue(buffer));
+    } catch (...) {
+      result->setError(std::current_exception());
+    }
+  });
+  return result;
+}
 }  // namespace
 
 CompressHook::CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
@@ -28,7 +58,10 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressHook::runHook(c10d::GradBucket& 
   const at::Tensor& buffer = bucket.getBuffer();
   detail::check_bucket(buffer, name());
   const double inv_world = 1.0 / pg_->getSize();
-  if (resolve_exchange_mode(exchange_, *pg_, buffer) != ExchangeMode::kAllgather) {
+  // Decided on what travels (dtype_), not on the fp32 bucket: an fp32 bucket on Gloo takes the
+  // chunked gather below, cast fused into the staging rows, instead of a full-size 16-bit copy
+  // that sum_into would then gather unchunked (review finding P2).
+  if (resolve_exchange_mode(exchange_, *pg_, dtype_, buffer.device()) != ExchangeMode::kAllgather) {
     at::Tensor compressed = scaled_cast(buffer, dtype_, inv_world);
     return sum_into(pg_, compressed, buffer, 1.0, exchange_);
   }
@@ -45,12 +78,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressHook::runHook(c10d::GradBucket& 
     const at::Tensor slice = buffer.narrow(0, begin, std::min(step, n - begin));
     parts.push_back(cast_gather_sum_into(pg_, slice, dtype_, inv_world, slice, 1.0));
   }
-  return c10::collectAll(parts)->then(
-      [buffer](c10::ivalue::Future& all) {
-        for (const auto& part : all.value().toList()) part.get().toFuture()->value();  // rethrow
-        return c10::IValue(buffer);
-      },
-      c10::TensorType::get());
+  return all_chunks_done(parts, buffer);
 }
 
 CommHookPtr fp16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {

@@ -78,13 +78,18 @@ const char* exchange_mode_name(ExchangeMode mode) {
 }
 
 ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
-                                   const at::Tensor& values) {
+                                   at::ScalarType wire_dtype, const c10::Device& device) {
   if (mode != ExchangeMode::kAuto) return mode;
-  const bool is16 = values.element_size() == 2;
-  if (is16 && (values.device().is_cpu() || compat::backend_name(pg) == "gloo")) {
+  const bool is16 = c10::elementSize(wire_dtype) == 2;
+  if (is16 && (device.is_cpu() || compat::backend_name(pg) == "gloo")) {
     return ExchangeMode::kAllgather;
   }
   return ExchangeMode::kAllreduce;
+}
+
+ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
+                                   const at::Tensor& values) {
+  return resolve_exchange_mode(mode, pg, values.scalar_type(), values.device());
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,

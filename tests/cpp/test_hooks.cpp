@@ -597,6 +597,38 @@ TEST(HookErrors, CollectiveErrorReachesTheFuture) {
 #endif
 }
 
+// The same on every torch, with a process group whose collectives fail (test_utils.h), through
+// every exchange path: allreduce, the gather, and the chunked gather (> 2^21 elements), whose
+// result future is built from several chunk futures.
+TEST(HookErrors, FailedCollectiveFailsEveryHookPath) {
+  using namespace ddpx::hooks;
+  const auto pg = ddpx_test::make_failing_group(0, 2, "injected collective failure");
+  struct Case {
+    const char* what;
+    CommHookPtr hook;
+    int64_t numel;
+  };
+  const std::vector<Case> cases = {
+      {"allreduce_hook", std::make_shared<AllreduceHook>(pg, ExchangeMode::kAllreduce), 1000},
+      {"fp16 allreduce", std::make_shared<CompressHook>(pg, at::kHalf, ExchangeMode::kAllreduce),
+       1000},
+      {"bf16 gather", std::make_shared<CompressHook>(pg, at::kBFloat16, ExchangeMode::kAuto), 1000},
+      {"fp16 chunked gather",
+       std::make_shared<CompressHook>(pg, at::kHalf, ExchangeMode::kAllgather), (1 << 21) + 7},
+      {"bf16 wrapper(allreduce)",
+       bf16_compress_wrapper(std::make_shared<AllreduceHook>(pg, ExchangeMode::kAllreduce)), 1000},
+  };
+  for (const auto& c : cases) {
+    at::Tensor buffer = rank_input(37, 0, c.numel, at::kFloat);
+    auto bucket = ddpx_test::make_bucket(buffer);
+    auto fut = c.hook->runHook(bucket->get());
+    fut->wait();
+    ASSERT_TRUE(fut->hasError()) << c.what << ": the collective failed, the future did not";
+    EXPECT_THAT(fut->tryRetrieveErrorMessage(), HasSubstr("injected collective failure"))
+        << c.what;
+  }
+}
+
 // A hook that fails while starting: the wrapper must give the bucket its buffer back.
 class ThrowingHook final : public ddpx::hooks::CommHook {
  public:

@@ -60,6 +60,63 @@ inline ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& st
 #endif
 }
 
+// A process group whose allreduce and alltoall_base fail: each returns a Work whose future holds
+// the error `message`, as a failed Gloo or NCCL collective reports it. No communication happens,
+// so one rank can use it alone. Its backend name is "gloo". For tests of error propagation.
+namespace detail {
+class FailedWork final : public c10d::Work {
+ public:
+  explicit FailedWork(const std::string& message)
+      : future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {
+    future_->setError(std::make_exception_ptr(std::runtime_error(message)));
+  }
+  bool wait(std::chrono::milliseconds) override { return future_->value().isNone(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+using FailingBase = c10d::Backend;  // torch 2.x: the ProcessGroup wraps a Backend
+#else
+using FailingBase = c10d::ProcessGroup;  // torch 1.13: the ProcessGroup is the backend
+#endif
+
+class FailingCollectives final : public FailingBase {
+ public:
+  FailingCollectives(int rank, int size, std::string message)
+      : FailingBase(rank, size), message_(std::move(message)) {}
+  const std::string getBackendName() const override { return "gloo"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&,
+                                           const c10d::AllreduceOptions&) override {
+    return c10::make_intrusive<FailedWork>(message_);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor&, at::Tensor&, std::vector<int64_t>&,
+                                               std::vector<int64_t>&,
+                                               const c10d::AllToAllOptions&) override {
+    return c10::make_intrusive<FailedWork>(message_);
+  }
+
+ private:
+  std::string message_;
+};
+}  // namespace detail
+
+inline ProcessGroupPtr make_failing_group(int rank, int size, const std::string& message) {
+  auto failing = c10::make_intrusive<detail::FailingCollectives>(rank, size, message);
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), rank,
+                                                    size);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                 c10::static_intrusive_pointer_cast<c10d::Backend>(failing));
+  return pg;
+#else
+  return failing;
+#endif
+}
+
 // `size` process groups, one per rank, over one fresh c10d::HashStore.
 inline std::vector<ProcessGroupPtr> make_gloo_world(int size) {
   auto store = c10::make_intrusive<c10d::HashStore>();

@@ -29,7 +29,11 @@ enum class ExchangeMode {
 ExchangeMode parse_exchange_mode(const std::string& name);
 const char* exchange_mode_name(ExchangeMode mode);
 
-// The mode kAuto resolves to for `values` on `pg`.
+// The mode kAuto resolves to for values of `wire_dtype` (the dtype that travels) on `device`,
+// exchanged over `pg`.
+ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
+                                   at::ScalarType wire_dtype, const c10::Device& device);
+// The same for `values` travelling in their own dtype.
 ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
                                    const at::Tensor& values);
 
