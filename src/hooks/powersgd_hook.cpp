@@ -271,7 +271,7 @@ void for_each_item(const PendingJob& job, F&& f) {
     const auto& g = L.groups[gi];
     const int64_t count = static_cast<int64_t>(g.second - g.first);
     if (job.batch_same_shape && count > 1) {
-      f(job.stacked[gi], p_of(L, L.comp[g.first], count), q_of(L, L.comp[g.first], count));
+      f(L.stacked[gi], p_of(L, L.comp[g.first], count), q_of(L, L.comp[g.first], count));
     } else {
       for (size_t k = g.first; k < g.second; ++k) {
         f(matrix_of(job, L.comp[k]).unsqueeze(0), p_of(L, L.comp[k]), q_of(L, L.comp[k]));
@@ -305,7 +305,15 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
     }
     job->work = L.padded;
   } else {
-    job->work = input.scalar_type() == L.compute_dtype ? input : input.to(L.compute_dtype);
+    if (input.scalar_type() == L.compute_dtype) {
+      job->work = input;
+    } else {
+      if (!L.work_copy.defined()) {
+        L.work_copy = at::empty(input.sizes(), input.options().dtype(L.compute_dtype));
+      }
+      L.work_copy.copy_(input);
+      job->work = L.work_copy;
+    }
   }
   if (o.use_error_feedback) error_feedback_apply_(job->work, L.error);
 
@@ -317,13 +325,18 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
                      L.s1.view({1, L.side, L.rank}));
   } else {
     if (job->batch_same_shape) {
-      job->stacked.resize(L.groups.size());
+      L.stacked.resize(L.groups.size());
       for (size_t gi = 0; gi < L.groups.size(); ++gi) {
         const auto& g = L.groups[gi];
         if (g.second - g.first < 2) continue;
         std::vector<at::Tensor> mats;
         for (size_t k = g.first; k < g.second; ++k) mats.push_back(matrix_of(*job, L.comp[k]));
-        job->stacked[gi] = at::stack(mats);
+        if (!L.stacked[gi].defined()) {
+          const CompMatrix& c = L.comp[g.first];
+          L.stacked[gi] = at::empty({static_cast<int64_t>(mats.size()), c.n, c.m},
+                                    job->work.options());
+        }
+        at::stack_out(L.stacked[gi], mats);
       }
     }
     for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
@@ -347,11 +360,11 @@ void finish(PendingJob& job) {
     job.input.copy_(L.padded.narrow(0, 0, L.total_length));
   } else {
     if (job.batch_same_shape) {
-      for (size_t gi = 0; gi < L.groups.size(); ++gi) {
-        if (!job.stacked[gi].defined()) continue;
+      for (size_t gi = 0; gi < L.stacked.size(); ++gi) {
+        if (!L.stacked[gi].defined()) continue;
         const auto& g = L.groups[gi];
         for (size_t k = g.first; k < g.second; ++k) {
-          matrix_of(job, L.comp[k]).copy_(job.stacked[gi][static_cast<int64_t>(k - g.first)]);
+          matrix_of(job, L.comp[k]).copy_(L.stacked[gi][static_cast<int64_t>(k - g.first)]);
         }
       }
     }

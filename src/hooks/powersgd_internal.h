@@ -39,6 +39,11 @@ struct BucketLayout {
   at::Tensor s1;     // [unc_numel + total_p]: uncompressed gradients, then all Ps (round one)
   at::Tensor q;      // [total_q]: all Qs (round two; warm-start memory)
   at::Tensor error;  // error-feedback residual, [bucket numel] (batched: [side * side])
+  // Per-step working memory, allocated once with the layout and reused every step (round two runs
+  // on another stream on CUDA: a per-step temporary freed when the job dies could be handed to
+  // the next bucket while that stream still reads it; review finding B1).
+  at::Tensor work_copy;                // the bucket in compute_dtype, when that is not its dtype
+  std::vector<at::Tensor> stacked;     // batch_tensors_with_same_shape: [count, n, m] per group
   MatrixPack p_pack, q_pack;
   bool q_valid = false;  // q holds a previous step's factors (warm start)
   // batched_powerSGD_hook only
@@ -55,8 +60,7 @@ struct PendingJob {
   double epsilon = 0;
   int64_t world = 1;
   at::Tensor input;  // the bucket buffer: the result lands here
-  at::Tensor work;   // input, or its compute-dtype copy
-  std::vector<at::Tensor> stacked;  // per same-shape group when batching (else undefined)
+  at::Tensor work;   // input, or its compute-dtype copy (layout->work_copy)
   c10::intrusive_ptr<c10::ivalue::Future> round1;
   c10::intrusive_ptr<c10::ivalue::Future> result;
 };

@@ -120,3 +120,51 @@ def test_gloo_on_cuda_tensors():
     for it in range(3):
         assert torch.equal(res[0]["ddpx_allreduce_native"][it], res[0]["torch_none"][it])
         assert not torch.equal(res[0]["ddpx_noop_native"][it], res[1]["ddpx_noop_native"][it])
+
+
+# ---- the chunked gather on CUDA (review finding B2) -------------------------------------------
+
+def rank_big_bucket(rank: int, world_size: int):
+    """One DDP bucket of 2.4M fp32 gradients (above the 2^21-element chunking threshold) on CUDA
+    tensors over Gloo: ddpx's fp16/bf16 hooks split it into chunks whose sums run on other
+    streams. The gradients are read right after backward(), with only DDP's own wait between,
+    while a side stream keeps the GPU busy: they must be the closed form, every step."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    side = torch.cuda.Stream()
+    busy = torch.randn(2048, 2048, device="cuda")
+    for name in ("fp16", "bf16"):
+        torch.manual_seed(0)
+        local_model = nn.Sequential(nn.Linear(1200, 2000), nn.Linear(2000, 8)).cuda()
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(1200, 2000), nn.Linear(2000, 8)).cuda(),
+                  device_ids=[0], bucket_cap_mb=64)
+        ddpx.register_comm_hook(ddp, None, getattr(ddpx.hooks, f"{name}_compress_hook"))
+        res = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            x = torch.randn(16, 1200, generator=g).cuda()
+            local_model.zero_grad()
+            local_model(x).square().sum().backward()
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    busy = busy @ busy / 2048  # keeps the GPU busy on another stream
+            ddp.zero_grad()
+            ddp(x).square().sum().backward()
+            got = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]).clone()
+            res.append((dc.flat_grad(local_model), got.cpu()))
+        out[name] = res
+    torch.cuda.synchronize()
+    return out
+
+
+def test_gloo_on_cuda_chunked_gather_is_waited_for():
+    res = run_ranks(rank_big_bucket, 2, timeout=300)
+    for name, dtype16 in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for step in range(3):
+            local = [res[r][name][step][0] for r in range(2)]
+            assert local[0].numel() > 2 ** 21
+            expected = dc.ref_compress_hook(local, dtype16)
+            for r in range(2):
+                assert torch.equal(res[r][name][step][1], expected), (name, step, r)

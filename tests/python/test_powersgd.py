@@ -581,8 +581,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 CUDA_STEPS = 20
 
 
-def check_cuda_against_torch(res):
-    start = OPTS["r1"]["start_powerSGD_iter"]
+def check_cuda_against_torch(res, opts_name="r1"):
+    start = OPTS[opts_name]["start_powerSGD_iter"]
     for t, a, b in res:
         for s in range(start):
             assert torch.allclose(a["grads"][s], t["grads"][s], rtol=1e-6, atol=0)
@@ -611,3 +611,24 @@ def test_cuda_gloo_two_ranks_matches_torch():
     res = run_ranks(pc.rank_train, 2, args=(cfgs, CUDA_STEPS),
                     kwargs={"lr": LR, "device": "cuda:0"})
     check_cuda_against_torch(res)
+
+
+@pytest.mark.skipif(not ddpx._C.with_cuda, reason="ddpx was built without CUDA kernels")
+@cuda
+@pytest.mark.parametrize("backend,world_size", [("nccl", 1), ("gloo", 2)])
+@pytest.mark.parametrize("buckets", ["several", "one"])
+def test_cuda_batch_same_shape_matches_torch(backend, world_size, buckets):
+    """batch_tensors_with_same_shape on CUDA (review finding B1): the same-shaped matrices of a
+    bucket are stacked, projected as one batch on the autograd stream and reconstructed in the
+    round-two callback on another stream. The stacks were per-step temporaries, freed while that
+    stream could still use them (and handed to the next bucket by the caching allocator); they
+    live in the bucket layout now. With several buckets in flight and with one bucket holding
+    every same-shaped matrix, ddpx must match torch's hook as the CPU tests do."""
+    cfgs = [_cfg("torch", "r2_batch"), _cfg("ddpx", "r2_batch"),
+            _cfg("ddpx", "r2_batch", mode="native")]
+    kwargs = {"lr": LR, "device": "cuda:0"}
+    if buckets == "one":
+        kwargs["first_bucket_bytes"] = pc.TORCH_FIRST_BUCKET_BYTES
+    res = run_ranks(pc.rank_train, world_size, args=(cfgs, CUDA_STEPS), backend=backend,
+                    kwargs=kwargs)
+    check_cuda_against_torch(res, "r2_batch")
