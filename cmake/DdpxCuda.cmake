@@ -5,8 +5,12 @@ include(CheckLanguage)
 set(DDPX_HAVE_NVCC OFF)
 set(DDPX_WITH_CUDA OFF)
 if(NOT DDPX_CUDA STREQUAL "OFF")
-  if(NOT CMAKE_CUDA_COMPILER AND DDPX_NVCC)
-    set(CMAKE_CUDA_COMPILER "${DDPX_NVCC}")
+  # A hint, not a choice: check_language does nothing once CMAKE_CUDA_COMPILER is set, so an
+  # nvcc that cannot drive this host compiler would fail enable_language() even in AUTO mode.
+  # Through CUDACXX, check_language tries it and leaves CMAKE_CUDA_COMPILER NOTFOUND if it fails.
+  # (With a CUDA torch, torch's CMake has enabled CUDA already.)
+  if(NOT CMAKE_CUDA_COMPILER AND DDPX_NVCC AND NOT DEFINED ENV{CUDACXX})
+    set(ENV{CUDACXX} "${DDPX_NVCC}")
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)

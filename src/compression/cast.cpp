@@ -4,7 +4,8 @@
 #include <c10/util/Exception.h>
 
 #ifdef DDPX_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+// Not ATen/cuda/CUDAContext.h: it pulls in the cuBLAS/cuSPARSE/cuSOLVER headers.
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <ddpx/compression/kernels_cuda.h>
@@ -70,7 +71,7 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
     c10::cuda::CUDAGuard guard(src.device());
     kernels::scaled_cast_cuda(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(),
                               scale,
-                              at::cuda::getCurrentCUDAStream(src.device().index()).stream());
+                              c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
 #endif
     return;
   }
@@ -92,7 +93,7 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
     c10::cuda::CUDAGuard guard(src.device());
     kernels::sum_rows_cuda(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt,
                            scale,
-                           at::cuda::getCurrentCUDAStream(src.device().index()).stream());
+                           c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
 #endif
     return;
   }

@@ -1,5 +1,7 @@
 #include <ddpx/compression/powersgd_ops.h>
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -7,7 +9,8 @@
 #include <ddpx/compression/orthogonalize.h>
 
 #ifdef DDPX_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+// Not ATen/cuda/CUDAContext.h: it pulls in the cuBLAS/cuSPARSE/cuSOLVER headers.
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <ddpx/compression/orthogonalize_cuda.h>
@@ -22,6 +25,9 @@ MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
   for (size_t k = 0; k < rows_.size(); ++k) {
     TORCH_CHECK(cols_[k] <= rows_[k], "MatrixPack: matrix ", k, " has more columns (", cols_[k],
                 ") than rows (", rows_[k], ")");
+    TORCH_CHECK(offsets_[k] >= 0 && rows_[k] >= 0 && cols_[k] >= 0, "MatrixPack: matrix ", k,
+                " has a negative offset or size");
+    extent_ = std::max(extent_, offsets_[k] + rows_[k] * cols_[k]);
   }
   if (device.is_cuda() && !offsets_.empty()) {
     std::vector<int64_t> all(offsets_);
@@ -34,6 +40,9 @@ MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
 void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon) {
   TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "orthogonalize_: expected a contiguous 1-D buffer");
   if (pack.count() == 0) return;
+  // An out-of-bounds write on the GPU would leave a sticky error in the CUDA context.
+  TORCH_CHECK(pack.extent() <= flat.numel(), "orthogonalize_: the matrices extend to element ",
+              pack.extent(), " but the buffer has ", flat.numel());
   if (flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16) {
     at::Tensor wide = flat.to(at::kFloat);
     orthogonalize_(wide, pack, epsilon);
@@ -48,7 +57,7 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
     const at::Tensor& d = pack.device_descriptors();
     TORCH_CHECK(d.defined() && d.device() == flat.device(),
                 "orthogonalize_: the MatrixPack was built for another device");
-    auto stream = at::cuda::getCurrentCUDAStream(flat.device().index()).stream();
+    auto stream = c10::cuda::getCurrentCUDAStream(flat.device().index()).stream();
     const int64_t* base = d.data_ptr<int64_t>();
     const int64_t n = pack.count();
     if (flat.scalar_type() == at::kFloat) {
@@ -167,7 +176,7 @@ void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err) {
   if (input.is_cuda() && input.is_contiguous() && err.is_contiguous() &&
       (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble)) {
     c10::cuda::CUDAGuard guard(input.device());
-    auto stream = at::cuda::getCurrentCUDAStream(input.device().index()).stream();
+    auto stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
     if (input.scalar_type() == at::kFloat) {
       kernels::error_feedback_apply_cuda(input.data_ptr<float>(), err.data_ptr<float>(),
                                          input.numel(), stream);

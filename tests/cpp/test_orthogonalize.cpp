@@ -467,6 +467,22 @@ TEST(OrthogonalizeAten, RejectsBadArguments) {
   EXPECT_THROW(ddpx::orthogonalize_(at::ones({2, 2}), pack, 0.0), c10::Error);
   EXPECT_THROW(ddpx::orthogonalize_(at::ones({8}).slice(0, 0, 8, 2), pack, 0.0), c10::Error);
   EXPECT_THROW(ddpx::orthogonalize_(at::ones({4}, at::kInt), pack, 0.0), c10::Error);
+  // Matrices reaching past the buffer: refused before any kernel runs (on a GPU the write would
+  // leave a sticky error in the CUDA context), the buffer untouched.
+  const ddpx::MatrixPack beyond({0, 4}, {2, 4}, {2, 2}, at::kCPU);  // extends to element 12
+  EXPECT_EQ(beyond.extent(), 12);
+  at::Tensor short_buffer = at::ones({11});
+  EXPECT_THAT(
+      [&] {
+        try {
+          ddpx::orthogonalize_(short_buffer, beyond, 0.0);
+        } catch (const c10::Error& e) {
+          return std::string(e.what_without_backtrace());
+        }
+        return std::string("no error");
+      }(),
+      HasSubstr("extend to element 12 but the buffer has 11"));
+  EXPECT_TRUE(at::equal(short_buffer, at::ones({11})));
 }
 
 // err += input; input = err: both end up holding fl(err + input), bit for bit.

@@ -217,3 +217,9 @@ def test_orthogonalize_argument_errors():
         C.orthogonalize_(torch.ones(8), [4, 4], [2], 0.0)
     with pytest.raises(RuntimeError, match="8 elements"):
         C.orthogonalize_(torch.ones(7), [4], [2], 0.0)
+
+
+def test_orthogonalize_refuses_matrices_beyond_the_buffer():
+    """Checked before any kernel runs (on a GPU an out-of-bounds write would poison the context)."""
+    with pytest.raises(RuntimeError, match="more columns"):
+        C.orthogonalize_(torch.ones(8), [2], [4], 0.0)

@@ -21,11 +21,14 @@ class MatrixPack {
   const std::vector<int64_t>& offsets() const { return offsets_; }
   const std::vector<int64_t>& rows() const { return rows_; }
   const std::vector<int64_t>& cols() const { return cols_; }
+  // One past the last element any matrix covers: the buffer must have at least this many.
+  int64_t extent() const { return extent_; }
   // [3, count] int64 on the device: offsets, rows, cols (CUDA only; undefined on CPU).
   const at::Tensor& device_descriptors() const { return device_desc_; }
 
  private:
   std::vector<int64_t> offsets_, rows_, cols_;
+  int64_t extent_ = 0;
   at::Tensor device_desc_;
 };
 
