@@ -67,9 +67,8 @@ bool element_is_nan(uint64_t u, DType t) {
 }
 
 // Host values: mostly sign * U[1,2) * 2^e, e in [-30, 20] (fp16 overflow, subnormals and
-// underflow included), ~5% specials. `negative_zero` off for sum_rows: the CPU kernel starts
-// its fp32 accumulator from row 0, the CUDA kernel from +0.0, so an all-(-0.0) column sums to
-// -0.0 on one and +0.0 on the other (reported; everything else must match).
+// underflow included), ~5% specials, -0.0 among them when `negative_zero`. Both sum_rows kernels
+// start their accumulator from row 0 (not +0.0), so a column of -0.0 sums to -0.0 on each.
 std::vector<unsigned char> random_host(DType t, int64_t n, uint64_t seed, bool negative_zero) {
   std::vector<unsigned char> buf(static_cast<size_t>(n) * esize(t));
   std::mt19937_64 gen(seed);
@@ -161,7 +160,10 @@ TEST_P(ScaledCastCuda, MatchesCpuBitForBit) {
     for (int dst_off : {0, 1}) {
       char* s = static_cast<char*>(d_src.ptr) + src_off * esize(src_t());
       char* d = static_cast<char*>(d_dst.ptr) + dst_off * esize(dst_t());
-      DDPX_ASSERT_CUDA(cudaMemcpy(s, src.data(), src.size(), cudaMemcpyHostToDevice));
+      // On the kernels' stream (review T1: a pageable cudaMemcpy is not ordered before work on a
+      // non-blocking stream).
+      DDPX_ASSERT_CUDA(
+          cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
       for (float scale : {1.0f, 1.0f / 3.0f, -0.25f}) {
         std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
         k::scaled_cast_cpu(src.data(), src_t(), cpu.data(), dst_t(), count, scale);
@@ -187,13 +189,16 @@ TEST_P(SumRowsCuda, MatchesCpuBitForBit) {
   DDPX_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (int64_t rows : {1, 2, 3, 4, 8}) {
     const auto src = random_host(src_t(), rows * count, seed() * 31 + rows,
-                                 /*negative_zero=*/false);
+                                 /*negative_zero=*/true);
     DeviceBuffer d_src((rows * count + 1) * esize(src_t())), d_dst((count + 1) * esize(dst_t()));
     ASSERT_TRUE(d_src.ptr && d_dst.ptr);
     for (int off : {0, 1}) {
       char* s = static_cast<char*>(d_src.ptr) + off * esize(src_t());
       char* d = static_cast<char*>(d_dst.ptr) + off * esize(dst_t());
-      DDPX_ASSERT_CUDA(cudaMemcpy(s, src.data(), src.size(), cudaMemcpyHostToDevice));
+      // On the kernels' stream (review T1: a pageable cudaMemcpy is not ordered before work on a
+      // non-blocking stream).
+      DDPX_ASSERT_CUDA(
+          cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
       for (float scale : {1.0f, 1.0f / 3.0f}) {
         std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
         k::sum_rows_cpu(src.data(), src_t(), rows, count, cpu.data(), dst_t(), scale);

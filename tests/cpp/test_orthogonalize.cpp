@@ -526,17 +526,19 @@ TEST(ErrorFeedbackApply, RejectsMismatchedBuffers) {
 
 #ifdef DDPX_TEST_CUDA_KERNELS
 
-// A device copy of a host vector, freed on scope exit.
+// A device copy of a host vector, freed on scope exit. The copy is queued on `stream`, the stream
+// the kernels under test then run on: a pageable cudaMemcpy on the legacy stream followed by a
+// kernel on a non-blocking stream is not ordered by CUDA's rules (review T1).
 template <typename T>
 struct DeviceVector {
-  explicit DeviceVector(const std::vector<T>& host) : size(host.size()) {
+  DeviceVector(const std::vector<T>& host, cudaStream_t stream) : size(host.size()) {
     if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(1, size) * sizeof(T)) !=
         cudaSuccess) {
       ptr = nullptr;
       return;
     }
-    if (size &&
-        cudaMemcpy(ptr, host.data(), size * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
+    if (size && cudaMemcpyAsync(ptr, host.data(), size * sizeof(T), cudaMemcpyHostToDevice,
+                                stream) != cudaSuccess) {
       cudaFree(ptr);
       ptr = nullptr;
     }
@@ -569,8 +571,8 @@ template <typename T>
 void run_cuda(const Pack<T>& p, std::vector<T>& data, double epsilon) {
   Stream stream;
   ASSERT_TRUE(stream.ok);
-  DeviceVector<T> d(data);
-  DeviceVector<int64_t> off(p.offsets), rows(p.rows), cols(p.cols);
+  DeviceVector<T> d(data, stream.s);
+  DeviceVector<int64_t> off(p.offsets, stream.s), rows(p.rows, stream.s), cols(p.cols, stream.s);
   ASSERT_TRUE(d.ptr && off.ptr && rows.ptr && cols.ptr) << "cudaMalloc/cudaMemcpy failed";
   k::orthogonalize_cuda(d.ptr, off.ptr, rows.ptr, cols.ptr, static_cast<int64_t>(p.offsets.size()),
                         static_cast<T>(epsilon), stream.s);
@@ -667,7 +669,7 @@ void cuda_error_feedback(int64_t n) {
   for (auto& x : err) x = static_cast<T>(normal(gen) * 1e-2);
   Stream stream;
   ASSERT_TRUE(stream.ok);
-  DeviceVector<T> din(in), derr(err);
+  DeviceVector<T> din(in, stream.s), derr(err, stream.s);
   ASSERT_TRUE(din.ptr && derr.ptr);
   k::error_feedback_apply_cuda(din.ptr, derr.ptr, n, stream.s);
   DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream.s));
