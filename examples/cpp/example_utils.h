@@ -12,6 +12,8 @@ namespace ddpx_example {
 // One rank's Gloo process group of `world` ranks over `store`; returns once all have joined.
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int world) {
+  // Ranks are threads of one process here: see the note on this function in compat.h.
+  ddpx::compat::disable_flight_recorder_for_thread_ranks();
   auto options = c10d::ProcessGroupGloo::Options::create();
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)

@@ -40,6 +40,7 @@ constexpr std::chrono::milliseconds kGlooTimeout{30000};
 // (construction is a rendezvous), so the ranks must be constructed concurrently.
 inline ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size) {
+  ddpx::compat::disable_flight_recorder_for_thread_ranks();  // ranks are threads here
   auto options = c10d::ProcessGroupGloo::Options::create(kGlooTimeout);
   // The loopback address avoids hostname resolution, which sandboxes often lack.
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));

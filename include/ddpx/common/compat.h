@@ -2,6 +2,8 @@
 // (Debian's 1.13 and pip's 2.x). Everything else includes this instead of testing versions.
 #pragma once
 
+#include <cstdlib>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -22,6 +24,24 @@ namespace compat {
 // the torch it is imported into.
 inline std::string torch_version() {
   return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+}
+
+// torch 2.x's c10d flight recorder (on by default: TORCH_FR_BUFFER_SIZE=2000) inserts a process
+// group's status into a shared map without holding its lock when the group records its first
+// collective. A program that runs several ranks as threads of one process, each with its own
+// ProcessGroupGloo, can corrupt that map: seen with torch 2.11 as threads spinning forever in
+// FlightRecorder::recordWithResetEnabled (a ddpx test run, 1 in about 10). Call this before
+// creating such process groups: it turns the recorder off unless the user configured it (torch
+// reads the setting once, when the recorder is first used). One process per rank (torchrun)
+// does not need it. Thread-safe; torch 1.13 has no recorder and ignores the variable.
+inline void disable_flight_recorder_for_thread_ranks() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("TORCH_FR_BUFFER_SIZE") == nullptr &&
+        std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE") == nullptr) {
+      ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+    }
+  });
 }
 
 // Backend name of a process group ("gloo", "nccl", ...). In torch 2.x a ProcessGroup may wrap
