@@ -418,7 +418,10 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     });
   }
   at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.q : scaled_cast(L.q, L.wire_dtype, 1.0);
-  FuturePtr round2 = sum_into(pg, wire, L.q, 1.0 / job->world, ExchangeMode::kAuto);
+  // The sum, then a division by the world size as torch's hook does (`div_(world_size)`): the
+  // same rounding as torch for any world size, where a multiplication by 1/W differs in the last
+  // bit unless W is a power of two (review N1); no in-place scaled_cast either (review B4).
+  FuturePtr round2 = sum_into(pg, wire, L.q, 1.0, ExchangeMode::kAuto);
   round2->addCallback([job](c10::ivalue::Future& f) {
     if (f.hasError()) {
       job->result->setError(f.exception_ptr());
@@ -426,6 +429,7 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     }
     try {
       BucketLayout& L = *job->layout;
+      L.q.div_(job->world);
       if (job->batched) {
         lowrank_reconstruct_(L.s1.view({1, L.side, L.rank}), L.q.view({1, L.side, L.rank}),
                              L.padded.view({1, L.side, L.side}));
