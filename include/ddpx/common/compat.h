@@ -29,8 +29,9 @@ inline std::string torch_version() {
 // torch 2.x's c10d flight recorder (on by default: TORCH_FR_BUFFER_SIZE=2000) inserts a process
 // group's status into a shared map without holding its lock when the group records its first
 // collective. A program that runs several ranks as threads of one process, each with its own
-// ProcessGroupGloo, can corrupt that map: seen with torch 2.11 as threads spinning forever in
-// FlightRecorder::recordWithResetEnabled (a ddpx test run, 1 in about 10). Call this before
+// ProcessGroupGloo, can corrupt that map. Seen with torch 2.11: a ddpx CI run hung with every
+// rank thread spinning in FlightRecorder::recordWithResetEnabled, and with the recorder forced
+// on, 1 of 24 test runs crashed (0 of 24 with it off). Call this before
 // creating such process groups: it turns the recorder off unless the user configured it (torch
 // reads the setting once, when the recorder is first used). One process per rank (torchrun)
 // does not need it. Thread-safe; torch 1.13 has no recorder and ignores the variable.
