@@ -1,6 +1,7 @@
 // Batched Gram-Schmidt on CUDA: one block per matrix, column by column, block-wide reductions in
-// double through shared memory (a step's dot products reduced together, 16 at a time). PowerSGD's matrices are tall and thin (rank 1-32), so one block
-// per matrix keeps every reduction on-chip and the whole batch in one launch.
+// double through shared memory (a step's dot products reduced together, 16 at a time).
+// PowerSGD's matrices are tall and thin (rank 1-32), so one block per matrix keeps every
+// reduction on-chip and the whole batch in one launch.
 #include <ddpx/compression/orthogonalize_cuda.h>
 
 #include "cuda_check.h"
@@ -11,30 +12,15 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ double block_sum(double v, double* shared) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < blockDim.x / 32 ? shared[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  const double total = shared[0];
-  __syncthreads();
-  return total;
-}
-
 // Columns whose dot products with column i are reduced together (registers per thread: one
 // double each).
 constexpr int kDotChunk = 16;
 
-// block_sum for k <= kDotChunk values at once, each with block_sum's exact reduction order: the
-// same warp shuffles, the warps' sums through shared memory in warp order, the same second
-// shuffle. Every thread of the block must call it; the totals land in tot[0..k).
-__device__ void block_sum_chunk(double (&part)[kDotChunk], int k, double* red, double* tot) {
+// Block-wide sums of part[0..k) (k <= kDotChunk, the same k on every thread), each reduced the
+// same way: warp shuffles, then the warps' sums through shared memory in warp order and one more
+// warp shuffle. Every thread of the block must call it; the totals land in tot[0..k), valid
+// until the next call.
+__device__ void block_sums(double (&part)[kDotChunk], int k, double* red, double* tot) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 #pragma unroll
   for (int t = 0; t < kDotChunk; ++t) {
@@ -58,7 +44,6 @@ __device__ void block_sum_chunk(double (&part)[kDotChunk], int k, double* red, d
 template <typename T>
 __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64_t* rows,
                                     const int64_t* cols, double eps) {
-  __shared__ double shared[kThreads / 32];
   __shared__ double red[kDotChunk * (kThreads / 32)];
   __shared__ double tot[kDotChunk];
   T* m = data + offsets[blockIdx.x];
@@ -67,9 +52,12 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
   const int passes = r > 2 ? 2 : 1;
   for (int pass = 0; pass < passes; ++pass, eps = 0.0) {
   for (int64_t i = 0; i < r; ++i) {
-    double sq = 0;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sq += double(m[j * r + i]) * m[j * r + i];
-    const double norm = sqrt(block_sum(sq, shared));
+    double sq[kDotChunk] = {0.0};
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      sq[0] += double(m[j * r + i]) * m[j * r + i];
+    }
+    block_sums(sq, 1, red, tot);
+    const double norm = sqrt(tot[0]);
     const bool zero = norm == 0.0 && eps == 0.0;
     const double denom = norm + eps;
     const T inv = zero ? T(0) : T(1.0 / denom);
@@ -77,15 +65,17 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
       for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m[j * r + i] *= inv;
     } else {
       // A tiny column: 1/norm overflows T (see orthogonalize_cpu.cpp); divide in double.
-      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m[j * r + i] = T(double(m[j * r + i]) / denom);
+      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        m[j * r + i] = T(double(m[j * r + i]) / denom);
+      }
     }
     __syncthreads();
     // Every later column loses its projection on column i. The dot products of one step do not
     // depend on each other (column c's update touches only column c), so they are computed in
     // one sweep over the rows and reduced together, kDotChunk at a time: O(r) block reductions
     // per matrix instead of O(r^2) (review finding F1). Each dot keeps its arithmetic: the same
-    // per-thread partial sum over the same rows, then block_sum's reduction tree, so the result
-    // is bit-identical to reducing the columns one by one.
+    // per-thread partial sum over the same rows, then the same reduction tree, so the result is
+    // bit-identical to reducing the columns one by one.
     for (int64_t c0 = i + 1; c0 < r; c0 += kDotChunk) {
       const int k = static_cast<int>(r - c0 < kDotChunk ? r - c0 : kDotChunk);
       double part[kDotChunk];
@@ -99,7 +89,7 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
           if (t < k) part[t] += mi * row[c0 + t];
         }
       }
-      block_sum_chunk(part, k, red, tot);
+      block_sums(part, k, red, tot);
       for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
         T* row = m + j * r;
         const T mi = row[i];
