@@ -37,6 +37,19 @@ MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
   }
 }
 
+MatrixPack MatrixPack::back_to_back(std::vector<int64_t> rows, std::vector<int64_t> cols,
+                                    const at::Device& device, int64_t first) {
+  TORCH_CHECK(rows.size() == cols.size(), "MatrixPack: rows and cols must have the same length, "
+              "got ", rows.size(), " and ", cols.size());
+  std::vector<int64_t> offsets;
+  offsets.reserve(rows.size());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    offsets.push_back(first);
+    first += rows[k] * cols[k];
+  }
+  return MatrixPack(std::move(offsets), std::move(rows), std::move(cols), device);
+}
+
 void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon) {
   TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "orthogonalize_: expected a contiguous 1-D buffer");
   if (pack.count() == 0) return;

@@ -136,19 +136,16 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
       L->numel_after += uncompressed;
     }
   }
-  std::vector<int64_t> p_offs, p_rows, p_cols, q_offs, q_rows, q_cols;
+  std::vector<int64_t> p_rows, q_rows, ranks;  // Ps and Qs back to back, in comp's order
   for (const auto& sg : shape_groups) {
     const size_t begin = L->comp.size();
     for (size_t i : sg.second) {
       const int64_t n = mshape[i].first, m = mshape[i].second;
       const int64_t r = std::min({n, m, o.matrix_approximation_rank});
       L->comp.push_back(CompMatrix{i, n, m, r, L->total_p, L->total_q});
-      p_offs.push_back(L->unc_numel + L->total_p);
       p_rows.push_back(n);
-      p_cols.push_back(r);
-      q_offs.push_back(L->total_q);
       q_rows.push_back(m);
-      q_cols.push_back(r);
+      ranks.push_back(r);
       L->total_p += n * r;
       L->total_q += m * r;
     }
@@ -157,8 +154,8 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
   const auto opts = input.options().dtype(L->compute_dtype);
   L->s1 = at::empty({L->unc_numel + L->total_p}, opts);
   L->q = at::empty({L->total_q}, opts);
-  L->p_pack = MatrixPack(p_offs, p_rows, p_cols, L->device);
-  L->q_pack = MatrixPack(q_offs, q_rows, q_cols, L->device);
+  L->p_pack = MatrixPack::back_to_back(p_rows, ranks, L->device, /*first=*/L->unc_numel);
+  L->q_pack = MatrixPack::back_to_back(q_rows, ranks, L->device);
   // Memories move to the new layout (after a bucket rebuild, or from a checkpoint).
   if (o.use_error_feedback) claim_error_views(st, *L, input.numel(), opts);
   bool all_q = !L->comp.empty();

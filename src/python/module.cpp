@@ -228,18 +228,9 @@ PYBIND11_MODULE(_C, m) {
       "orthogonalize_",
       [](const at::Tensor& flat, const std::vector<int64_t>& rows, const std::vector<int64_t>& cols,
          double epsilon) {
-        TORCH_CHECK(rows.size() == cols.size(), "orthogonalize_: rows and cols must have the same "
-                    "length, got ", rows.size(), " and ", cols.size());
-        std::vector<int64_t> offsets;
-        int64_t pos = 0;
-        for (size_t k = 0; k < rows.size(); ++k) {
-          offsets.push_back(pos);
-          pos += rows[k] * cols[k];
-        }
-        TORCH_CHECK(flat.dim() == 1 && flat.numel() == pos, "orthogonalize_: flat must be 1-D with ",
-                    pos, " elements (the matrices back to back), got ", flat.sizes());
         py::gil_scoped_release no_gil;
-        ddpx::orthogonalize_(flat, ddpx::MatrixPack(offsets, rows, cols, flat.device()), epsilon);
+        ddpx::orthogonalize_(flat, ddpx::MatrixPack::back_to_back(rows, cols, flat.device()),
+                             epsilon);
       },
       py::arg("flat"), py::arg("rows"), py::arg("cols"), py::arg("epsilon") = 0.0,
       "Orthonormalises in place the columns of the row-major rows[k] x cols[k] matrices stored back "

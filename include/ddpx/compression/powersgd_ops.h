@@ -16,6 +16,9 @@ class MatrixPack {
   MatrixPack() = default;
   MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows, std::vector<int64_t> cols,
              const at::Device& device);
+  // Matrices stored back to back from element `first`: offsets[k] = first + the sizes before k.
+  static MatrixPack back_to_back(std::vector<int64_t> rows, std::vector<int64_t> cols,
+                                 const at::Device& device, int64_t first = 0);
 
   int64_t count() const { return static_cast<int64_t>(offsets_.size()); }
   const std::vector<int64_t>& offsets() const { return offsets_; }
