@@ -24,8 +24,8 @@ if(NOT DDPX_CUDA STREQUAL "OFF")
     # torch's CMake appends -gencode flags for its own choice of architectures to
     # CMAKE_CUDA_FLAGS; ddpx's targets carry DDPX_CUDA_ARCHS instead (DdpxCudaArchs.cmake).
     string(REGEX REPLACE "-gencode[ =]arch=[^ ]+" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
-    if(NOT DDPX_CUDA_ARCHS)
-      set(DDPX_CUDA_ARCHS "75-real;80-real;90")
+    if(NOT DDPX_CUDA_ARCHS)  # an nvcc found only now: choose for it, by the same rules
+      ddpx_select_cuda_archs()
     endif()
   endif()
 endif()

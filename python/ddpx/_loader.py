@@ -7,16 +7,10 @@ writes ``_build_info.py`` beside the module (the torch it was compiled against);
 """
 import torch
 
+from ._torch_compat import TORCH_VERSION, major_minor
+
 _REBUILD = ("rebuild ddpx in this environment: `pip install --no-build-isolation .` from the "
             "ddpx sources (no build isolation, so that this torch is the one it builds against)")
-
-
-def _installed_version() -> str:
-    return torch.__version__.split("+")[0]
-
-
-def _major_minor(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 try:
@@ -26,7 +20,7 @@ except ImportError:  # pragma: no cover - a build tree from before _build_info e
 
 if _build_info is not None:
     _built = _build_info.TORCH_VERSION
-    if _major_minor(_built) != _major_minor(_installed_version()):
+    if major_minor(_built) != TORCH_VERSION:
         raise ImportError(
             f"ddpx was built against torch {_built} but torch {torch.__version__} is installed "
             f"(ddpx needs the same torch major.minor it was compiled for); {_REBUILD}.")
@@ -44,7 +38,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"ddpx: cannot load the compiled module ddpx._C{built} with the installed torch "
         f"{torch.__version__}: {exc}. {_REBUILD}.") from exc
 
-if _C.__torch_version__ != _major_minor(_installed_version()):
+# Without _build_info (a build tree older than it), the module's own record; with it, the same
+# fact as checked above, at no cost.
+if major_minor(_C.__torch_version__) != TORCH_VERSION:
     raise ImportError(
         f"ddpx: the compiled module ddpx._C was built against torch {_C.__torch_version__} but "
         f"torch {torch.__version__} is installed; {_REBUILD}.")

@@ -5,7 +5,12 @@ it was seen: Debian's torch 1.13.1 (reports 1.13.0a0) and pip's torch 2.11.0+cu1
 import torch
 import torch.distributed as dist
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+def major_minor(version: str) -> tuple:
+    """(major, minor) of a torch version string: "2.11.0+cu130" -> (2, 11), "1.13.0a0" -> (1, 13)."""
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+TORCH_VERSION = major_minor(torch.__version__)
 
 
 def _torch_bf16_hooks_on_gloo() -> bool:

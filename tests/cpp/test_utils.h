@@ -71,7 +71,10 @@ class FailedWork final : public c10d::Work {
       : future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {
     future_->setError(std::make_exception_ptr(std::runtime_error(message)));
   }
-  bool wait(std::chrono::milliseconds) override { return future_->value().isNone(); }
+  bool wait(std::chrono::milliseconds) override {
+    future_->value();  // throws the injected error, as a failed collective's wait() does
+    return true;
+  }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  private:
