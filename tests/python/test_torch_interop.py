@@ -8,6 +8,7 @@ comes back as a new wrapper of the same C++ group, whose holder must be built an
 correctly (a mismatch would crash here, not in a user's job).
 """
 import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,11 @@ def rank_round_trip(rank: int, world_size: int):
     # A group only C++ still holds: pybind11 builds a new Python wrapper from ddpx's holder.
     own = dist.new_group(ranks=list(range(world_size)))
     holder = _C.PostLocalSGDState(world, own, 3)
+    gone = weakref.ref(own)
     dist.destroy_process_group(own)
     del own
     gc.collect()
+    out["python_wrapper_gone"] = gone() is None  # else the path below would not be exercised
     back = holder.subgroup
     out["wrapper_type_ok"] = isinstance(back, dist.ProcessGroup)
     out["wrapper_rank_size"] = (back.rank(), back.size())
@@ -66,5 +69,6 @@ def test_process_groups_round_trip():
         assert out["post_local_subgroup_is_sub"] and out["averager_pg_is_sub"], out
         assert out["powersgd_set_is_sub"] and out["powersgd_set_size"] == 2, out
         assert out["post_local_subgroup_sum"] == 3.0  # 1 + 2
+        assert out["python_wrapper_gone"], out
         assert out["wrapper_type_ok"] and out["wrapper_rank_size"] == (rank, 2), out
         assert out["world_sum_after"] == 3.0
