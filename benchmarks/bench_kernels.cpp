@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include <ddpx/compression/kernels.h>
+#include "kernels/cast.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 #include <ddpx/hooks/comm_hook.h>
 #include <ddpx/hooks/compress_hook.h>
 #include <ddpx/hooks/compress_wrapper.h>
-#include <ddpx/hooks/exchange.h>
+#include <ddpx/comm/exchange_mode.h>
 #include <ddpx/hooks/noop_hook.h>
 #include <ddpx/hooks/powersgd_hook.h>
 #include <ddpx/hooks/powersgd_state.h>

@@ -2,10 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/exchange.h"
+#include "hooks/hook_utils.h"
+
 namespace ddpx {
 namespace hooks {
 
-AllreduceHook::AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+AllreduceHook::AllreduceHook(ProcessGroupPtr process_group,
                              ExchangeMode exchange)
     : pg_(std::move(process_group)), exchange_(exchange) {
   detail::check_process_group(pg_, name());
@@ -14,10 +17,10 @@ AllreduceHook::AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_grou
 c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBuffer();
   detail::check_bucket(buffer, name());
-  return allreduce_mean(pg_, buffer, exchange_);
+  return comm::allreduce_mean(pg_, buffer, exchange_);
 }
 
-CommHookPtr allreduce_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+CommHookPtr allreduce_hook(ProcessGroupPtr process_group) {
   return std::make_shared<AllreduceHook>(std::move(process_group));
 }
 

@@ -3,10 +3,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <ddpx/compression/cast.h>
+#include "comm/exchange.h"
+#include "hooks/hook_utils.h"
+#include "ops/cast.h"
 
 namespace ddpx {
 namespace hooks {
+using comm::cast_gather_sum_into;
+
 namespace {
 // Chunking of the gather path: about 1M elements (2 MiB of 16-bit values) per chunk, at most 8.
 constexpr int64_t kChunkElements = 1 << 20;
@@ -43,7 +47,7 @@ c10::intrusive_ptr<c10::ivalue::Future> all_chunks_done(
 }
 }  // namespace
 
-CompressHook::CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+CompressHook::CompressHook(ProcessGroupPtr process_group,
                            at::ScalarType dtype, ExchangeMode exchange)
     : pg_(std::move(process_group)), dtype_(dtype), exchange_(exchange) {
   detail::check_compress_dtype(dtype_, "CompressHook");
@@ -62,8 +66,8 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressHook::runHook(c10d::GradBucket& 
   // chunked gather below, cast fused into the staging rows, instead of a full-size 16-bit copy
   // that sum_into would then gather unchunked (review finding P2).
   if (resolve_exchange_mode(exchange_, *pg_, dtype_, buffer.device()) != ExchangeMode::kAllgather) {
-    at::Tensor compressed = scaled_cast(buffer, dtype_, inv_world);
-    return sum_into(pg_, compressed, buffer, 1.0, exchange_);
+    at::Tensor compressed = ops::scaled_cast(buffer, dtype_, inv_world);
+    return comm::sum_into(pg_, compressed, buffer, 1.0, exchange_);
   }
   // Gather path: compress, gather and sum chunk by chunk, so that casting the next chunk and
   // summing the previous ones overlap the transfers. All chunks' collectives are issued here,
@@ -83,11 +87,11 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressHook::runHook(c10d::GradBucket& 
   return all_chunks_done(parts, buffer);
 }
 
-CommHookPtr fp16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+CommHookPtr fp16_compress_hook(ProcessGroupPtr process_group) {
   return std::make_shared<CompressHook>(std::move(process_group), at::kHalf);
 }
 
-CommHookPtr bf16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+CommHookPtr bf16_compress_hook(ProcessGroupPtr process_group) {
   return std::make_shared<CompressHook>(std::move(process_group), at::kBFloat16);
 }
 

@@ -3,7 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <ddpx/compression/cast.h>
+#include "hooks/hook_utils.h"
+#include "ops/cast.h"
 
 namespace ddpx {
 namespace hooks {
@@ -21,7 +22,7 @@ std::string CompressWrapper::name() const {
 c10::intrusive_ptr<c10::ivalue::Future> CompressWrapper::runHook(c10d::GradBucket& bucket) {
   at::Tensor original = bucket.getBuffer();
   detail::check_bucket(original, name());
-  at::Tensor compressed = scaled_cast(original, dtype_, 1.0);
+  at::Tensor compressed = ops::scaled_cast(original, dtype_, 1.0);
   bucket.setBuffer(compressed);
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   try {
@@ -36,7 +37,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressWrapper::runHook(c10d::GradBucke
   return fut->then(
       [original, inner_name = hook_->name()](c10::ivalue::Future& f) {
         at::Tensor result = detail::parse_hook_result(f.value(), inner_name);
-        scaled_cast_into(result.contiguous(), original, 1.0);
+        ops::scaled_cast_into(result.contiguous(), original, 1.0);
         return c10::IValue(original);
       },
       c10::TensorType::get());

@@ -1,5 +1,7 @@
 #include <ddpx/hooks/noop_hook.h>
 
+#include "hooks/hook_utils.h"
+
 namespace ddpx {
 namespace hooks {
 

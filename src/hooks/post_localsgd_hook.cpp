@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
-#include <ddpx/hooks/exchange.h>
+
+#include "comm/exchange.h"
+#include "hooks/hook_utils.h"
 
 namespace ddpx {
 namespace hooks {
@@ -11,7 +13,7 @@ namespace hooks {
 namespace {
 constexpr const char* kWho = "PostLocalSGDState";
 
-void check_global_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+void check_global_group(const ProcessGroupPtr& pg) {
   TORCH_CHECK_TYPE(pg, kWho, ": process_group must be a ProcessGroup, got null");
 }
 
@@ -20,8 +22,8 @@ void check_start(int64_t start) {
 }
 }  // namespace
 
-PostLocalSGDState::PostLocalSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                                     c10::intrusive_ptr<c10d::ProcessGroup> subgroup,
+PostLocalSGDState::PostLocalSGDState(ProcessGroupPtr process_group,
+                                     ProcessGroupPtr subgroup,
                                      int64_t start_localSGD_iter,
                                      bool post_local_gradient_allreduce, Logger logger)
     : process_group_(std::move(process_group)),
@@ -34,7 +36,7 @@ PostLocalSGDState::PostLocalSGDState(c10::intrusive_ptr<c10d::ProcessGroup> proc
   log("Local SGD will be started after " + std::to_string(start_localSGD_iter_) + " iterations");
 }
 
-void PostLocalSGDState::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+void PostLocalSGDState::set_process_group(ProcessGroupPtr pg) {
   check_global_group(pg);
   process_group_ = std::move(pg);
 }
@@ -114,7 +116,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PostLocalSGDHook::runHook(c10d::GradBuck
   // Global averaging for the first start_localSGD_iter iterations.
   if (st.iter() < st.start_localSGD_iter()) {
     st.maybe_increase_iter(bucket.isLast());
-    return allreduce_mean(st.process_group(), buffer, ExchangeMode::kAuto);
+    return comm::allreduce_mean(st.process_group(), buffer, ExchangeMode::kAuto);
   }
   // Then no gradient synchronisation at all, or averaging within the subgroup only.
   if (!st.post_local_gradient_allreduce()) {
@@ -127,7 +129,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PostLocalSGDHook::runHook(c10d::GradBuck
   // A subgroup of one (e.g. one GPU per machine) averages nothing: dividing by 1 and an
   // allreduce over one rank leave the values as they are, so skip both.
   if (st.subgroup()->getSize() == 1) return detail::completed_future(buffer);
-  return allreduce_mean(st.subgroup(), buffer, ExchangeMode::kAuto);
+  return comm::allreduce_mean(st.subgroup(), buffer, ExchangeMode::kAuto);
 }
 
 CommHookPtr post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state) {

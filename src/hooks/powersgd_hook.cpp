@@ -7,18 +7,29 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
-#include <ddpx/compression/cast.h>
-#include <ddpx/compression/powersgd_ops.h>
-#include <ddpx/hooks/exchange.h>
-
-#include "powersgd_internal.h"
+#include "comm/exchange.h"
+#include "hooks/hook_utils.h"
+#include "hooks/powersgd_memory.h"
+#include "ops/cast.h"
+#include "ops/lowrank.h"
+#include "ops/orthogonalize.h"
 
 namespace ddpx {
 namespace hooks {
 
+using comm::ExchangeMode;
+using comm::sum_into;
 using detail::BucketLayout;
 using detail::CompMatrix;
-using detail::PendingJob;
+using detail::PowerSGDJob;
+using detail::PowerSGDMemory;
+using ops::lowrank_project_;
+using ops::lowrank_project_t_;
+using ops::lowrank_reconstruct_;
+using ops::MatrixPack;
+using ops::orthogonalize_;
+using ops::error_feedback_apply_;
+using ops::scaled_cast;
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 namespace {
@@ -93,13 +104,13 @@ std::shared_ptr<BucketLayout> new_layout(const std::vector<int64_t>& keys,
 
 // Error-feedback residual buffer of `numel` elements; each parameter's slice takes over its
 // memory (live, or from a checkpoint) and becomes its memory.
-void claim_error_views(PowerSGDState& st, BucketLayout& L, int64_t numel,
+void claim_error_views(PowerSGDMemory& mem, BucketLayout& L, int64_t numel,
                        const at::TensorOptions& opts) {
   L.error = at::zeros({numel}, opts);
   for (size_t i = 0; i < L.keys.size(); ++i) {
     at::Tensor view = L.error.narrow(0, L.offsets[i], L.numels[i]);
-    claim_memory(L.keys[i], view, st.error_memory, st.restored_error);
-    st.error_memory[L.keys[i]] = view;
+    claim_memory(L.keys[i], view, mem.error, mem.restored_error);
+    mem.error[L.keys[i]] = view;
   }
 }
 
@@ -108,6 +119,7 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
                                                      const std::vector<int64_t>& keys,
                                                      const at::Tensor& input) {
   const auto& o = st.options();
+  PowerSGDMemory& mem = st.memory();
   const std::vector<at::Tensor> grads = bucket.getGradients();
   auto L = new_layout(keys, grads, input);
   // Shapes in first-appearance order, each with its compressed gradients (torch's grouping).
@@ -132,7 +144,7 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
       L->numel_after += compressed;
     } else {
       L->uncompressed.push_back(i);
-      L->unc_numel += g.numel();
+      L->uncompressed_numel += g.numel();
       L->numel_after += uncompressed;
     }
   }
@@ -152,17 +164,17 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
     L->groups.emplace_back(begin, L->comp.size());
   }
   const auto opts = input.options().dtype(L->compute_dtype);
-  L->s1 = at::empty({L->unc_numel + L->total_p}, opts);
-  L->q = at::empty({L->total_q}, opts);
-  L->p_pack = MatrixPack::back_to_back(p_rows, ranks, L->device, /*first=*/L->unc_numel);
+  L->round_one = at::empty({L->uncompressed_numel + L->total_p}, opts);
+  L->q_factors = at::empty({L->total_q}, opts);
+  L->p_pack = MatrixPack::back_to_back(p_rows, ranks, L->device, /*first=*/L->uncompressed_numel);
   L->q_pack = MatrixPack::back_to_back(q_rows, ranks, L->device);
   // Memories move to the new layout (after a bucket rebuild, or from a checkpoint).
-  if (o.use_error_feedback) claim_error_views(st, *L, input.numel(), opts);
+  if (o.use_error_feedback) claim_error_views(mem, *L, input.numel(), opts);
   bool all_q = !L->comp.empty();
   for (const auto& c : L->comp) {
-    at::Tensor view = L->q.narrow(0, c.q_off, c.m * c.r);
-    all_q = claim_memory(keys[c.index], view, st.q_memory, st.restored_q) && all_q;
-    st.q_memory[keys[c.index]] = view;
+    at::Tensor view = L->q_factors.narrow(0, c.q_offset, c.cols * c.rank);
+    all_q = claim_memory(keys[c.index], view, mem.q, mem.restored_q) && all_q;
+    mem.q[keys[c.index]] = view;
   }
   L->q_valid = all_q;
   return L;
@@ -173,6 +185,7 @@ std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
                                                    const c10d::GradBucket& bucket,
                                                    const at::Tensor& input) {
   const auto& o = st.options();
+  PowerSGDMemory& mem = st.memory();
   auto L = new_layout(keys, bucket.getGradients(), input);
   L->total_length = input.numel();
   L->side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(L->total_length))));
@@ -182,37 +195,27 @@ std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
   L->numel_after = L->side * L->rank * 2;
   const auto opts = input.options().dtype(L->compute_dtype);
   L->padded = at::zeros({L->side * L->side}, opts);
-  L->s1 = at::empty({L->side * L->rank}, opts);  // P
-  L->q = at::empty({L->side * L->rank}, opts);
+  L->round_one = at::empty({L->side * L->rank}, opts);  // P
+  L->q_factors = at::empty({L->side * L->rank}, opts);
   L->p_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
   L->q_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
-  if (o.use_error_feedback) claim_error_views(st, *L, L->side * L->side, opts);
+  if (o.use_error_feedback) claim_error_views(mem, *L, L->side * L->side, opts);
   L->batched_key = join_keys(keys);
   if (L->error.defined() && L->side * L->side > L->total_length) {
     at::Tensor pad = L->error.narrow(0, L->total_length, L->side * L->side - L->total_length);
-    claim_memory(L->batched_key, pad, st.batched_error_pad, st.restored_batched_error_pad);
-    st.batched_error_pad[L->batched_key] = pad;
+    claim_memory(L->batched_key, pad, mem.batched_error_pad, mem.restored_batched_error_pad);
+    mem.batched_error_pad[L->batched_key] = pad;
   }
-  L->q_valid = false;
-  auto live = st.batched_q_memory.find(L->batched_key);
-  auto restored = st.restored_batched_q.find(L->batched_key);
-  if (live != st.batched_q_memory.end() && live->second.numel() == L->q.numel()) {
-    L->q.copy_(live->second);
-    L->q_valid = true;
-  } else if (restored != st.restored_batched_q.end() &&
-             restored->second.numel() == L->q.numel()) {
-    L->q.copy_(restored->second);
-    L->q_valid = true;
-  }
-  if (restored != st.restored_batched_q.end()) st.restored_batched_q.erase(restored);
-  st.batched_q_memory[L->batched_key] = L->q;
+  L->q_valid = claim_memory(L->batched_key, L->q_factors, mem.batched_q, mem.restored_batched_q);
+  mem.restored_batched_q.erase(L->batched_key);  // a live memory won: the restored one is stale
+  mem.batched_q[L->batched_key] = L->q_factors;
   return L;
 }
 
 std::shared_ptr<BucketLayout> layout_for(PowerSGDState& st, const c10d::GradBucket& bucket,
                                          const std::vector<int64_t>& keys, const at::Tensor& input,
                                          bool batched) {
-  auto& slot = st.layouts[bucket.getIndex()];
+  auto& slot = st.memory().layouts[bucket.getIndex()];
   if (slot && slot->keys == keys && slot->wire_dtype == input.scalar_type() &&
       slot->device == input.device() && (batched == !slot->batched_key.empty()) &&
       (!batched || slot->total_length == input.numel())) {
@@ -233,48 +236,48 @@ void randomize_q(PowerSGDState& st, BucketLayout& L, bool batch_same_shape) {
   const int64_t seed = st.rng().randint_1e9();
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
   const auto cpu = at::TensorOptions().dtype(L.wire_dtype).device(at::kCPU);
-  const bool on_gpu = !L.q.device().is_cpu();
-  at::Tensor staged = at::empty({L.q.numel()}, cpu.dtype(L.q.scalar_type()).pinned_memory(on_gpu));
+  const bool on_gpu = !L.q_factors.device().is_cpu();
+  at::Tensor staged = at::empty({L.q_factors.numel()}, cpu.dtype(L.q_factors.scalar_type()).pinned_memory(on_gpu));
   int64_t covered = 0;
   auto fill = [&](int64_t off, int64_t numel) {
     staged.narrow(0, off, numel).copy_(at::randn({numel}, gen, cpu));
     covered += numel;
   };
   if (!L.batched_key.empty()) {
-    fill(0, L.q.numel());
+    fill(0, L.q_factors.numel());
   } else {
     for (const auto& g : L.groups) {
       if (batch_same_shape) {
         const auto& first = L.comp[g.first];
-        fill(first.q_off, static_cast<int64_t>(g.second - g.first) * first.m * first.r);
+        fill(first.q_offset, static_cast<int64_t>(g.second - g.first) * first.cols * first.rank);
       } else {
         for (size_t k = g.first; k < g.second; ++k) {
-          fill(L.comp[k].q_off, L.comp[k].m * L.comp[k].r);
+          fill(L.comp[k].q_offset, L.comp[k].cols * L.comp[k].rank);
         }
       }
     }
   }
   // Every Q is drawn: the layout packs them back to back.
-  TORCH_INTERNAL_ASSERT(covered == L.q.numel(), "randomize_q: drew ", covered, " of ",
-                        L.q.numel(), " Q values");
-  L.q.copy_(staged, /*non_blocking=*/on_gpu);
+  TORCH_INTERNAL_ASSERT(covered == L.q_factors.numel(), "randomize_q: drew ", covered, " of ",
+                        L.q_factors.numel(), " Q values");
+  L.q_factors.copy_(staged, /*non_blocking=*/on_gpu);
 }
 
-at::Tensor matrix_of(const PendingJob& job, const CompMatrix& c) {
+at::Tensor matrix_of(const PowerSGDJob& job, const CompMatrix& c) {
   const BucketLayout& L = *job.layout;
-  return job.work.narrow(0, L.offsets[c.index], c.n * c.m).view({c.n, c.m});
+  return job.work.narrow(0, L.offsets[c.index], c.rows * c.cols).view({c.rows, c.cols});
 }
 at::Tensor p_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
-  return L.s1.narrow(0, L.unc_numel + c.p_off, count * c.n * c.r).view({count, c.n, c.r});
+  return L.round_one.narrow(0, L.uncompressed_numel + c.p_offset, count * c.rows * c.rank).view({count, c.rows, c.rank});
 }
 at::Tensor q_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
-  return L.q.narrow(0, c.q_off, count * c.m * c.r).view({count, c.m, c.r});
+  return L.q_factors.narrow(0, c.q_offset, count * c.cols * c.rank).view({count, c.cols, c.rank});
 }
 
 // Runs f(matrices [b, n, m], P [b, n, r], Q [b, m, r]) per same-shape group (batched products)
 // or per matrix.
 template <typename F>
-void for_each_item(const PendingJob& job, F&& f) {
+void for_each_item(const PowerSGDJob& job, F&& f) {
   const BucketLayout& L = *job.layout;
   for (size_t gi = 0; gi < L.groups.size(); ++gi) {
     const auto& g = L.groups[gi];
@@ -291,11 +294,11 @@ void for_each_item(const PendingJob& job, F&& f) {
 
 // Round one: compensate, draw or orthogonalise Q, P = MQ, and start the allreduce of
 // [uncompressed | Ps] (layer-wise) or P (batched).
-std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradBucket& bucket,
+std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::GradBucket& bucket,
                                             const std::vector<int64_t>& keys,
                                             const at::Tensor& input, bool batched) {
   const auto& o = st.options();
-  auto job = std::make_shared<PendingJob>();
+  auto job = std::make_shared<PowerSGDJob>();
   job->layout = layout_for(st, bucket, keys, input, batched);
   BucketLayout& L = *job->layout;
   job->batched = batched;
@@ -327,11 +330,11 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
   if (o.use_error_feedback) error_feedback_apply_(job->work, L.error);
 
   if (!o.warm_start || !L.q_valid) randomize_q(st, L, job->batch_same_shape);
-  orthogonalize_(L.q, L.q_pack, job->epsilon);
+  orthogonalize_(L.q_factors, L.q_pack, job->epsilon);
 
   if (batched) {
-    lowrank_project_(L.padded.view({1, L.side, L.side}), L.q.view({1, L.side, L.rank}),
-                     L.s1.view({1, L.side, L.rank}));
+    lowrank_project_(L.padded.view({1, L.side, L.side}), L.q_factors.view({1, L.side, L.rank}),
+                     L.round_one.view({1, L.side, L.rank}));
   } else {
     if (job->batch_same_shape) {
       L.stacked.resize(L.groups.size());
@@ -342,7 +345,7 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
         for (size_t k = g.first; k < g.second; ++k) mats.push_back(matrix_of(*job, L.comp[k]));
         if (!L.stacked[gi].defined()) {
           const CompMatrix& c = L.comp[g.first];
-          L.stacked[gi] = at::empty({static_cast<int64_t>(mats.size()), c.n, c.m},
+          L.stacked[gi] = at::empty({static_cast<int64_t>(mats.size()), c.rows, c.cols},
                                     job->work.options());
         }
         at::stack_out(L.stacked[gi], mats);
@@ -353,17 +356,17 @@ std::shared_ptr<PendingJob> start_round_one(PowerSGDState& st, const c10d::GradB
     });
     int64_t pos = 0;
     for (size_t i : L.uncompressed) {
-      L.s1.narrow(0, pos, L.numels[i]).copy_(job->work.narrow(0, L.offsets[i], L.numels[i]));
+      L.round_one.narrow(0, pos, L.numels[i]).copy_(job->work.narrow(0, L.offsets[i], L.numels[i]));
       pos += L.numels[i];
     }
   }
   // P (and the uncompressed values) travel in the bucket's dtype.
-  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.s1 : scaled_cast(L.s1, L.wire_dtype, 1.0);
-  job->round1 = sum_into(st.process_group(), wire, L.s1, 1.0, ExchangeMode::kAuto);
+  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.round_one : scaled_cast(L.round_one, L.wire_dtype, 1.0);
+  job->round1 = sum_into(st.process_group(), wire, L.round_one, 1.0, ExchangeMode::kAuto);
   return job;
 }
 
-void finish(PendingJob& job) {
+void finish(PowerSGDJob& job) {
   BucketLayout& L = *job.layout;
   if (job.batched) {
     job.input.copy_(L.padded.narrow(0, 0, L.total_length));
@@ -387,13 +390,13 @@ void finish(PendingJob& job) {
 
 // Waits for round one of `job`, then starts round two (Q = M^T P, allreduced); the job's result
 // completes when round two has been decompressed.
-void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                     const std::shared_ptr<PendingJob>& job) {
+void start_round_two(const ProcessGroupPtr& pg,
+                     const std::shared_ptr<PowerSGDJob>& job) {
   BucketLayout& L = *job->layout;
   job->round1->wait();
   job->round1->value();  // rethrows a failed round one
-  if (L.unc_numel > 0) {
-    at::Tensor unc = L.s1.narrow(0, 0, L.unc_numel);
+  if (L.uncompressed_numel > 0) {
+    at::Tensor unc = L.round_one.narrow(0, 0, L.uncompressed_numel);
     unc.div_(job->world);
     int64_t pos = 0;
     for (size_t i : L.uncompressed) {
@@ -405,20 +408,20 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     finish(*job);
     return;
   }
-  orthogonalize_(L.s1, L.p_pack, job->epsilon);
+  orthogonalize_(L.round_one, L.p_pack, job->epsilon);
   if (job->batched) {
-    lowrank_project_t_(L.padded.view({1, L.side, L.side}), L.s1.view({1, L.side, L.rank}),
-                       L.q.view({1, L.side, L.rank}));
+    lowrank_project_t_(L.padded.view({1, L.side, L.side}), L.round_one.view({1, L.side, L.rank}),
+                       L.q_factors.view({1, L.side, L.rank}));
   } else {
     for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
       lowrank_project_t_(m, p, q);
     });
   }
-  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.q : scaled_cast(L.q, L.wire_dtype, 1.0);
+  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.q_factors : scaled_cast(L.q_factors, L.wire_dtype, 1.0);
   // The sum, then a division by the world size as torch's hook does (`div_(world_size)`): the
   // same rounding as torch for any world size, where a multiplication by 1/W differs in the last
   // bit unless W is a power of two (review N1); no in-place scaled_cast either (review B4).
-  FuturePtr round2 = sum_into(pg, wire, L.q, 1.0, ExchangeMode::kAuto);
+  FuturePtr round2 = sum_into(pg, wire, L.q_factors, 1.0, ExchangeMode::kAuto);
   round2->addCallback([job](c10::ivalue::Future& f) {
     if (f.hasError()) {
       job->result->setError(f.exception_ptr());
@@ -426,9 +429,9 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     }
     try {
       BucketLayout& L = *job->layout;
-      L.q.div_(job->world);
+      L.q_factors.div_(job->world);
       if (job->batched) {
-        lowrank_reconstruct_(L.s1.view({1, L.side, L.rank}), L.q.view({1, L.side, L.rank}),
+        lowrank_reconstruct_(L.round_one.view({1, L.side, L.rank}), L.q_factors.view({1, L.side, L.rank}),
                              L.padded.view({1, L.side, L.side}));
       } else {
         for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
@@ -442,21 +445,14 @@ void start_round_two(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
   });
 }
 
-// Starts round two; a failure goes to the bucket's own future (DDP reports it when it waits).
-void start_round_two_or_fail(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                             const std::shared_ptr<PendingJob>& job) {
-  try {
-    start_round_two(pg, job);
-  } catch (...) {
-    if (!job->result->completed()) job->result->setError(std::current_exception());
-  }
-}
-
-// Issues round two of the bucket left pending by the previous runHook.
-void flush_pending(PowerSGDState& st) {
-  std::shared_ptr<PendingJob> job = std::move(st.pending);
-  st.pending.reset();
-  if (job) start_round_two_or_fail(st.process_group(), job);
+// Round two of `job` as a deferred step: issued by the next runHook (or at once for the last
+// bucket); a failure goes to the bucket's own future (DDP reports it when it waits).
+comm::DeferredCollective::Step round_two_step(const ProcessGroupPtr& pg,
+                                              const std::shared_ptr<PowerSGDJob>& job) {
+  return {[pg, job] { start_round_two(pg, job); },
+          [job](std::exception_ptr error) {
+            if (!job->result->completed()) job->result->setError(std::move(error));
+          }};
 }
 
 }  // namespace
@@ -472,6 +468,7 @@ std::string PowerSGDHook::name() const {
 
 c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& bucket) {
   PowerSGDState& st = *state_;
+  comm::DeferredCollective& round_two = st.memory().round_two;
   const at::Tensor input = bucket.getBuffer();
   const bool is_last = bucket.isLast();
   std::vector<int64_t> keys;
@@ -479,29 +476,24 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& 
     detail::check_bucket(input, name());
     keys = st.keys_for(bucket, name());
   } catch (...) {
-    flush_pending(st);
+    round_two.flush();
     throw;
   }
   if (st.iter() < st.options().start_powerSGD_iter) {
-    flush_pending(st);
+    round_two.flush();
     st.maybe_increase_iter(is_last);
-    return allreduce_mean(st.process_group(), input, ExchangeMode::kAuto);
+    return comm::allreduce_mean(st.process_group(), input, ExchangeMode::kAuto);
   }
-  std::shared_ptr<PendingJob> job;
+  std::shared_ptr<PowerSGDJob> job;
   try {
     job = start_round_one(st, bucket, keys, input, batched_);
   } catch (...) {
-    flush_pending(st);
+    round_two.flush();
     throw;
   }
   st.maybe_report_stats(is_last);
-  flush_pending(st);
-  if (is_last) {
-    start_round_two_or_fail(st.process_group(), job);
-    st.maybe_increase_iter(true);
-  } else {
-    st.pending = job;
-  }
+  round_two.submit(round_two_step(st.process_group(), job), is_last);
+  if (is_last) st.maybe_increase_iter(true);
   return job->result;
 }
 

@@ -7,7 +7,7 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
-#include "powersgd_internal.h"
+#include "hooks/powersgd_memory.h"
 
 namespace ddpx {
 namespace hooks {
@@ -53,13 +53,14 @@ void NumpyRandint::deserialize(const std::string& text) {
   engine_ = engine;
 }
 
-PowerSGDState::PowerSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+PowerSGDState::PowerSGDState(ProcessGroupPtr process_group,
                              PowerSGDOptions options,
                              std::function<void(const std::string&)> logger)
     : pg_(std::move(process_group)),
       options_(options),
       rng_(static_cast<uint32_t>(options.random_seed)),
-      logger_(std::move(logger)) {
+      logger_(std::move(logger)),
+      memory_(std::make_unique<detail::PowerSGDMemory>()) {
   TORCH_CHECK_TYPE(pg_, "PowerSGDState: process_group must be a ProcessGroup");
   options_.validate();
   options_.compression_stats_logging_frequency =
@@ -86,7 +87,7 @@ void PowerSGDState::set_options(const PowerSGDOptions& options) {
       std::max<int64_t>(1, options_.compression_stats_logging_frequency);
 }
 
-void PowerSGDState::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+void PowerSGDState::set_process_group(ProcessGroupPtr pg) {
   TORCH_CHECK_TYPE(pg, "PowerSGDState: process_group must be a ProcessGroup");
   pg_ = std::move(pg);
 }
@@ -156,34 +157,66 @@ std::vector<int64_t> PowerSGDState::keys_for(const c10d::GradBucket& bucket,
 }
 
 namespace {
-c10::impl::GenericDict tensor_dict(const std::unordered_map<int64_t, at::Tensor>& live,
-                                   const std::unordered_map<int64_t, at::Tensor>& restored) {
-  c10::impl::GenericDict d(c10::IntType::get(), c10::TensorType::get());
+template <typename Key>
+c10::TypePtr key_type();
+template <>
+c10::TypePtr key_type<int64_t>() {
+  return c10::IntType::get();
+}
+template <>
+c10::TypePtr key_type<std::string>() {
+  return c10::StringType::get();
+}
+
+// Live memories (as CPU copies) over the restored ones not yet claimed: what a checkpoint holds.
+template <typename Key>
+c10::impl::GenericDict tensor_dict(const std::unordered_map<Key, at::Tensor>& live,
+                                   const std::unordered_map<Key, at::Tensor>& restored) {
+  c10::impl::GenericDict d(key_type<Key>(), c10::TensorType::get());
   for (const auto& kv : restored) d.insert(kv.first, kv.second);
   for (const auto& kv : live) d.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
   return d;
 }
-c10::impl::GenericDict string_tensor_dict(
-    const std::unordered_map<std::string, at::Tensor>& live,
-    const std::unordered_map<std::string, at::Tensor>& restored) {
-  c10::impl::GenericDict d(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& kv : restored) d.insert(kv.first, kv.second);
-  for (const auto& kv : live) d.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
-  return d;
+
+template <typename Key>
+Key key_of(const c10::IValue& v);
+template <>
+int64_t key_of<int64_t>(const c10::IValue& v) {
+  return v.toInt();
 }
-void load_string_tensor_dict(const c10::IValue& v,
-                             std::unordered_map<std::string, at::Tensor>& out) {
-  out.clear();
-  for (const auto& kv : v.toGenericDict()) out[kv.key().toStringRef()] = kv.value().toTensor();
+template <>
+std::string key_of<std::string>(const c10::IValue& v) {
+  return v.toStringRef();
 }
-void load_tensor_dict(const c10::IValue& v, std::unordered_map<int64_t, at::Tensor>& out) {
+
+template <typename Key>
+void load_tensor_dict(const c10::IValue& v, std::unordered_map<Key, at::Tensor>& out) {
   out.clear();
-  for (const auto& kv : v.toGenericDict()) out[kv.key().toInt()] = kv.value().toTensor();
+  for (const auto& kv : v.toGenericDict()) out[key_of<Key>(kv.key())] = kv.value().toTensor();
+}
+
+// Live memories over the restored ones, as the bindings and tests read them.
+std::map<int64_t, at::Tensor> merged(const std::unordered_map<int64_t, at::Tensor>& live,
+                                     const std::unordered_map<int64_t, at::Tensor>& restored) {
+  std::map<int64_t, at::Tensor> out(live.begin(), live.end());
+  for (const auto& kv : restored) out.emplace(kv.first, kv.second);
+  return out;
 }
 }  // namespace
 
+std::map<int64_t, at::Tensor> PowerSGDState::error_memories() const {
+  return merged(memory_->error, memory_->restored_error);
+}
+
+std::map<int64_t, at::Tensor> PowerSGDState::q_memories() const {
+  return merged(memory_->q, memory_->restored_q);
+}
+
+bool PowerSGDState::round_two_pending() const { return memory_->round_two.pending(); }
+
 c10::impl::GenericDict PowerSGDState::state_dict() const {
-  TORCH_CHECK(!pending, "PowerSGDState.state_dict(): called during backward");
+  TORCH_CHECK(!round_two_pending(), "PowerSGDState.state_dict(): called during backward");
+  const detail::PowerSGDMemory& mem = *memory_;
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
   d.insert("format", std::string("ddpx.PowerSGDState/1"));
   d.insert("iter", iter_);
@@ -200,10 +233,10 @@ c10::impl::GenericDict PowerSGDState::state_dict() const {
   d.insert("random_seed", options_.random_seed);
   d.insert("compression_stats_logging_frequency", options_.compression_stats_logging_frequency);
   d.insert("batch_tensors_with_same_shape", options_.batch_tensors_with_same_shape);
-  d.insert("error", tensor_dict(error_memory, restored_error));
-  d.insert("q", tensor_dict(q_memory, restored_q));
-  d.insert("batched_q", string_tensor_dict(batched_q_memory, restored_batched_q));
-  d.insert("batched_error_pad", string_tensor_dict(batched_error_pad, restored_batched_error_pad));
+  d.insert("error", tensor_dict(mem.error, mem.restored_error));
+  d.insert("q", tensor_dict(mem.q, mem.restored_q));
+  d.insert("batched_q", tensor_dict(mem.batched_q, mem.restored_batched_q));
+  d.insert("batched_error_pad", tensor_dict(mem.batched_error_pad, mem.restored_batched_error_pad));
   return d;
 }
 
@@ -231,17 +264,13 @@ void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d) {
   total_after_ = get("total_numel_after_compression").toInt();
   next_stats_report_ = get("next_stats_report").toInt();
   rng_.deserialize(get("rng").toStringRef());
-  load_tensor_dict(get("error"), restored_error);
-  load_tensor_dict(get("q"), restored_q);
-  load_string_tensor_dict(get("batched_q"), restored_batched_q);
-  load_string_tensor_dict(get("batched_error_pad"), restored_batched_error_pad);
+  detail::PowerSGDMemory& mem = *memory_;
+  load_tensor_dict(get("error"), mem.restored_error);
+  load_tensor_dict(get("q"), mem.restored_q);
+  load_tensor_dict(get("batched_q"), mem.restored_batched_q);
+  load_tensor_dict(get("batched_error_pad"), mem.restored_batched_error_pad);
   // A fresh start for everything tied to this process's tensors.
-  error_memory.clear();
-  q_memory.clear();
-  batched_q_memory.clear();
-  batched_error_pad.clear();
-  layouts.clear();
-  pending.reset();
+  mem.reset_live();
   key_of_.clear();
   saw_full_iteration_ = false;
 }

@@ -4,7 +4,7 @@
 // store an fp32 block into any dtype. The fp16 primitives use F16C (8 lanes per instruction)
 // when the CPU has it, chosen once at run time; the portable fallbacks are branch-free bit
 // manipulations that GCC auto-vectorises. bf16 is a 16-bit shift either way.
-#include <ddpx/compression/kernels.h>
+#include "cast.h"
 
 #include "convert_inl.h"
 

@@ -1,6 +1,6 @@
 // CUDA implementation of the compression kernels: one fused pass per call (load, scale,
 // accumulate, convert, store), grid-stride loops, on the caller's stream.
-#include <ddpx/compression/kernels_cuda.h>
+#include "cast_cuda.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,5 +1,5 @@
 // Inline scalar conversions between fp32 and IEEE binary16 / bfloat16, for the kernels' loops
-// (the exported functions in kernels.h wrap them; calling those from a loop would not inline
+// (the exported functions in cast.h wrap them; calling those from a loop would not inline
 // in a -fPIC build and would block vectorisation).
 #pragma once
 

@@ -2,7 +2,7 @@
 // every inner loop runs over a contiguous row of M; the loops are written for the compiler's
 // vectoriser (`omp simd` reductions, compiled with -fopenmp-simd), and each kernel is cloned for
 // AVX2+FMA with a baseline fallback chosen at load time.
-#include <ddpx/compression/lowrank.h>
+#include "lowrank.h"
 
 #include <cstddef>
 #include <vector>

@@ -1,4 +1,4 @@
-#include <ddpx/compression/orthogonalize.h>
+#include "orthogonalize.h"
 
 #include <cmath>
 

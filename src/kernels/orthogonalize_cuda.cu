@@ -2,7 +2,7 @@
 // double through shared memory (a step's dot products reduced together, 16 at a time).
 // PowerSGD's matrices are tall and thin (rank 1-32), so one block per matrix keeps every
 // reduction on-chip and the whole batch in one launch.
-#include <ddpx/compression/orthogonalize_cuda.h>
+#include "orthogonalize_cuda.h"
 
 #include "cuda_check.h"
 
@@ -106,30 +106,11 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
 }
 
 template <typename T>
-__global__ void ef_apply_kernel(T* __restrict__ in, T* __restrict__ err, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const T v = err[i] + in[i];
-    err[i] = v;
-    in[i] = v;
-  }
-}
-
-template <typename T>
 void launch_gs(T* data, const int64_t* offsets, const int64_t* rows, const int64_t* cols,
                int64_t count, double eps, cudaStream_t stream) {
   if (count <= 0) return;
   gram_schmidt_kernel<T><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(data, offsets, rows,
                                                                               cols, eps);
-  DDPX_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void launch_ef(T* in, T* err, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return;
-  const int64_t blocks = (n + kThreads - 1) / kThreads;
-  const unsigned grid = static_cast<unsigned>(blocks < 4096 ? blocks : 4096);
-  ef_apply_kernel<T><<<grid, kThreads, 0, stream>>>(in, err, n);
   DDPX_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -143,12 +124,5 @@ void orthogonalize_cuda(double* data, const int64_t* offsets, const int64_t* row
                         const int64_t* cols, int64_t count, double epsilon, cudaStream_t stream) {
   launch_gs(data, offsets, rows, cols, count, epsilon, stream);
 }
-void error_feedback_apply_cuda(float* in, float* err, int64_t n, cudaStream_t stream) {
-  launch_ef(in, err, n, stream);
-}
-void error_feedback_apply_cuda(double* in, double* err, int64_t n, cudaStream_t stream) {
-  launch_ef(in, err, n, stream);
-}
-
 }  // namespace kernels
 }  // namespace ddpx

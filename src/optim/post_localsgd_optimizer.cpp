@@ -6,6 +6,7 @@
 #include <torch/serialize/output-archive.h>
 
 namespace ddpx {
+namespace optim {
 
 PostLocalSGDOptimizer::PostLocalSGDOptimizer(std::shared_ptr<torch::optim::Optimizer> optim,
                                              std::shared_ptr<ModelAverager> averager)
@@ -21,20 +22,7 @@ at::Tensor PostLocalSGDOptimizer::step(torch::optim::Optimizer::LossClosure clos
 }
 
 void PostLocalSGDOptimizer::zero_grad(bool set_to_none) {
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  optim_->zero_grad(set_to_none);
-#else
-  if (!set_to_none) {
-    optim_->zero_grad();
-    return;
-  }
-  // torch 1.13's C++ Optimizer::zero_grad() only zeroes: drop the gradients as 2.x does.
-  for (auto& group : optim_->param_groups()) {
-    for (auto& p : group.params()) {
-      if (p.mutable_grad().defined()) p.mutable_grad() = at::Tensor();
-    }
-  }
-#endif
+  compat::zero_grad(*optim_, set_to_none);
 }
 
 void PostLocalSGDOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
@@ -68,4 +56,5 @@ void PostLocalSGDOptimizer::load(torch::serialize::InputArchive& archive) {
   }
 }
 
+}  // namespace optim
 }  // namespace ddpx

@@ -1,16 +1,12 @@
-// Bindings of post-local SGD: PostLocalSGDState and post_localSGD_hook, average_parameters and
-// the model averagers. The Python classes in ddpx/hooks.py and ddpx/model_averaging.py wrap them.
-#include <pybind11/functional.h>
+// Bindings of parameter averaging and the model averagers. The Python classes in
+// ddpx/model_averaging.py wrap them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <ddpx/averaging/average.h>
-#include <ddpx/averaging/averagers.h>
-#include <ddpx/hooks/post_localsgd_hook.h>
+#include <ddpx/comm/average.h>
+#include <ddpx/optim/averagers.h>
 
 #include "bind_utils.h"
 
@@ -18,14 +14,6 @@ namespace ddpx {
 namespace python {
 
 namespace {
-
-using PG = c10::intrusive_ptr<c10d::ProcessGroup>;
-using hooks::PostLocalSGDState;
-
-// None -> null (no group / not a member).
-PG optional_group(const py::object& obj) { return obj.is_none() ? PG() : obj.cast<PG>(); }
-
-py::object group_or_none(const PG& pg) { return pg ? py::cast(pg) : py::none(); }
 
 py::dict stats_dict(const AverageStats& s) {
   py::dict d;
@@ -43,72 +31,14 @@ AverageOptions options_from_bytes(int64_t bucket_cap_bytes) {
   return o;
 }
 
-// Runs f with C++ warnings (TORCH_WARN) turned into Python warnings.
-template <typename F>
-auto with_py_warnings(F&& f) -> decltype(f()) {
-  torch::PyWarningHandler handler;
-  try {
-    return f();
-  } catch (...) {
-    handler.set_in_exception();
-    throw;
-  }
-}
-
 }  // namespace
 
-void bind_post_local_sgd(py::module& m) {
-  py::class_<PostLocalSGDState, std::shared_ptr<PostLocalSGDState>>(
-      m, "PostLocalSGDState", "Native post-local SGD state (see ddpx.hooks.PostLocalSGDState).")
-      .def(py::init([](const PG& pg, const py::object& subgroup, int64_t start,
-                       bool post_local_gradient_allreduce,
-                       std::function<void(const std::string&)> logger) {
-             return py_owned(new PostLocalSGDState(pg, optional_group(subgroup), start,
-                                                   post_local_gradient_allreduce,
-                                                   std::move(logger)));
-           }),
-           py::arg("process_group"), py::arg("subgroup"), py::arg("start_localSGD_iter"),
-           py::arg("post_local_gradient_allreduce") = true, py::arg("logger") = nullptr)
-      .def_property("process_group", &PostLocalSGDState::process_group,
-                    &PostLocalSGDState::set_process_group)
-      .def_property(
-          "subgroup", [](const PostLocalSGDState& s) { return group_or_none(s.subgroup()); },
-          [](PostLocalSGDState& s, const py::object& g) { s.set_subgroup(optional_group(g)); })
-      .def_property("start_localSGD_iter", &PostLocalSGDState::start_localSGD_iter,
-                    &PostLocalSGDState::set_start_localSGD_iter)
-      .def_property("post_local_gradient_allreduce",
-                    &PostLocalSGDState::post_local_gradient_allreduce,
-                    &PostLocalSGDState::set_post_local_gradient_allreduce)
-      .def_property("iter", &PostLocalSGDState::iter, &PostLocalSGDState::set_iter)
-      .def("maybe_increase_iter", &PostLocalSGDState::maybe_increase_iter,
-           py::arg("bucket_is_last"))
-      .def("set_logger", &PostLocalSGDState::set_logger, py::arg("logger"))
-      .def("state_dict",
-           [](const PostLocalSGDState& s) {
-             return torch::jit::toPyObject(c10::IValue(s.state_dict()));
-           })
-      .def(
-          "load_state_dict",
-          [](PostLocalSGDState& s, const py::object& d) {
-            TORCH_CHECK_TYPE(py::isinstance<py::dict>(d),
-                             "load_state_dict: state_dict must be a dict, got ",
-                             py::str(py::type::of(d)).cast<std::string>());
-            s.load_state_dict(state_to_ivalue(d).toGenericDict());
-          },
-          py::arg("state_dict"));
-
-  m.def(
-      "post_localsgd_hook",
-      [](const std::shared_ptr<PostLocalSGDState>& state) -> hooks::CommHookPtr {
-        return py_owned<hooks::CommHook>(new hooks::PostLocalSGDHook(state));
-      },
-      py::arg("state"), "Native post_localSGD_hook over `state`.");
-
+void bind_averaging(py::module& m) {
   m.def(
       "average_parameters",
       [](const std::vector<at::Tensor>& params, const py::object& group,
          int64_t bucket_cap_bytes) {
-        const PG pg = optional_group(group);
+        const ProcessGroupPtr pg = optional_group(group);
         AverageStats stats;
         {
           py::gil_scoped_release no_gil;
@@ -160,8 +90,8 @@ void bind_post_local_sgd(py::module& m) {
              std::shared_ptr<HierarchicalModelAverager>>(m, "HierarchicalModelAverager",
                                                          "Native HierarchicalModelAverager.")
       .def(py::init([](const std::vector<std::pair<int64_t, py::object>>& levels,
-                       int64_t warmup_steps, const PG& group, int64_t bucket_cap_bytes) {
-             std::vector<std::pair<int64_t, PG>> period_groups;
+                       int64_t warmup_steps, const ProcessGroupPtr& group, int64_t bucket_cap_bytes) {
+             std::vector<std::pair<int64_t, ProcessGroupPtr>> period_groups;
              for (const auto& level : levels) {
                period_groups.emplace_back(level.first, optional_group(level.second));
              }

@@ -1,11 +1,18 @@
-// Helpers shared by the binding units of ddpx._C.
+// Helpers shared by the binding units of ddpx._C (bind_*.cpp): ownership, argument conversion,
+// warnings, and the checkpoint methods every native state binds the same way.
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include <pybind11/pybind11.h>
 
+#include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/ScalarType.h>
+#include <ddpx/common/process_group.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 namespace ddpx {
 namespace python {
@@ -30,9 +37,49 @@ std::shared_ptr<T> py_owned(T* raw) {
 // A checkpoint dict (str keys; int, float, bool, str, Tensor or nested dict values) as an IValue.
 c10::IValue state_to_ivalue(const py::handle& obj);
 
-// Binds post-local SGD: PostLocalSGDState and its hook, parameter averaging, the model averagers
-// (bind_averaging.cpp).
-void bind_post_local_sgd(py::module& m);
+// torch.dtype -> at::ScalarType, with a TypeError naming the argument.
+at::ScalarType to_dtype(const py::handle& obj, const char* arg);
+
+// None -> null (no group / not a member); a ProcessGroup otherwise.
+ProcessGroupPtr optional_group(const py::object& obj);
+py::object group_or_none(const ProcessGroupPtr& pg);
+
+// Runs f with C++ warnings (TORCH_WARN) turned into Python warnings.
+template <typename F>
+auto with_py_warnings(F&& f) -> decltype(f()) {
+  torch::PyWarningHandler handler;
+  try {
+    return f();
+  } catch (...) {
+    handler.set_in_exception();
+    throw;
+  }
+}
+
+// Binds state_dict() -> dict and load_state_dict(dict) for a native state whose C++ class has
+// `c10::impl::GenericDict state_dict() const` and `void load_state_dict(const GenericDict&)`.
+template <typename State, typename... Options>
+void def_state_dict(py::class_<State, Options...>& cls) {
+  cls.def("state_dict",
+          [](const State& s) { return torch::jit::toPyObject(c10::IValue(s.state_dict())); },
+          "The state to checkpoint, as a dict (no process groups).")
+      .def(
+          "load_state_dict",
+          [](State& s, const py::object& d) {
+            TORCH_CHECK_TYPE(py::isinstance<py::dict>(d),
+                             "load_state_dict: state_dict must be a dict, got ",
+                             py::str(py::type::of(d)).cast<std::string>());
+            s.load_state_dict(state_to_ivalue(d).toGenericDict());
+          },
+          py::arg("state_dict"), "Restores state_dict()'s content.");
+}
+
+// The binding units, one per area; module.cpp calls them in this order.
+void bind_hooks(py::module& m);
+void bind_powersgd(py::module& m);
+void bind_post_localsgd(py::module& m);
+void bind_averaging(py::module& m);
+void bind_kernels(py::module& m);
 
 }  // namespace python
 }  // namespace ddpx

@@ -17,8 +17,9 @@
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
-#include <ddpx/averaging/average.h>
-#include <ddpx/averaging/averagers.h>
+#include <ddpx/comm/average.h>
+#include <ddpx/comm/bucketed.h>
+#include <ddpx/optim/averagers.h>
 #include <ddpx/hooks.h>
 #include <ddpx/hooks/post_localsgd_hook.h>
 #include <ddpx/optim/post_localsgd_optimizer.h>
@@ -136,33 +137,15 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 
 // Collects TORCH_WARN messages issued on this thread while alive (c10's handler is
 // thread-local).
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-namespace warning_api = c10::WarningUtils;
-#else
-namespace warning_api = c10::Warning;
-#endif
-class CaptureWarnings : public c10::WarningHandler {
+class CaptureWarnings : public ddpx::compat::ScopedWarningHandler {
  public:
-  CaptureWarnings() : prev_(warning_api::get_warning_handler()) {
-    warning_api::set_warning_handler(this);
-  }
-  ~CaptureWarnings() override { warning_api::set_warning_handler(prev_); }
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-#else
-  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
-    messages.push_back(msg);
-  }
-#endif
+  void on_warning(const std::string& message) override { messages.push_back(message); }
   std::string joined() const {
     std::string s;
     for (const auto& m : messages) s += m + "\n";
     return s;
   }
   std::vector<std::string> messages;
-
- private:
-  c10::WarningHandler* prev_;
 };
 
 // ---- subgroups ---------------------------------------------------------------------------------
@@ -441,13 +424,9 @@ TEST(AverageParameters, LeavesThatRequireGrad) {
 // Peak bytes allocated through c10's CPU allocator on this thread while alive, above the level
 // at construction (c10's profiler hook: the allocator reports each allocation and free to the
 // thread's PROFILER_STATE debug info).
-class PeakCpuMemory : public c10::MemoryReportingInfoBase {
+class PeakCpuMemory : public ddpx::compat::MemoryReporter {
  public:
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device device) override {
-#else
-  void reportMemoryUsage(void*, int64_t alloc_size, int64_t, int64_t, c10::Device device) override {
-#endif
+  void on_memory(int64_t alloc_size, c10::Device device) override {
     if (!device.is_cpu()) return;
     current += alloc_size;
     peak = std::max(peak, current);

@@ -4,8 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda_test_utils.h"
-#include <ddpx/compression/kernels.h>
-#include <ddpx/compression/kernels_cuda.h>
+#include "kernels/cast.h"
+#include "kernels/cast_cuda.h"
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -35,7 +35,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // torch 1.13's Gloo has no bfloat16 reductions; newer releases have.
-constexpr bool kGlooReducesBf16 = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
+using ddpx::compat::kGlooReducesBf16;
 
 enum class Hook { kAllreduce, kFp16Compress, kBf16Compress, kFp16Wrapper, kBf16Wrapper, kNoop };
 
@@ -475,18 +475,24 @@ TEST(HookApi, ExchangeModeNamesRoundTrip) {
 TEST(HookApi, AutoExchangeResolvesByDtypeOnGloo) {
   using ddpx::hooks::resolve_exchange_mode;
   const auto& pg = *ddpx_test::shared_gloo_world(1)[0];
-  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::ones({4}, at::kHalf)),
+  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::kHalf, at::kCPU),
             ExchangeMode::kAllgather);
-  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::ones({4}, at::kBFloat16)),
+  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::kBFloat16, at::kCPU),
             ExchangeMode::kAllgather);
-  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::ones({4}, at::kFloat)),
+  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::kFloat, at::kCPU),
             ExchangeMode::kAllreduce);
-  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::ones({4}, at::kDouble)),
+  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::kDouble, at::kCPU),
             ExchangeMode::kAllreduce);
-  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAllreduce, pg, at::ones({4}, at::kHalf)),
+  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAllreduce, pg, at::kHalf, at::kCPU),
             ExchangeMode::kAllreduce);
-  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAllgather, pg, at::ones({4}, at::kFloat)),
+  EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAllgather, pg, at::kFloat, at::kCPU),
             ExchangeMode::kAllgather);
+  // The one 16-bit rule everything asks (the hooks' exchange, parameter averaging's dtype).
+  using ddpx::comm::backend_sums_natively;
+  EXPECT_FALSE(backend_sums_natively(pg, at::kHalf, at::kCPU));
+  EXPECT_FALSE(backend_sums_natively(pg, at::kBFloat16, at::kCPU));
+  EXPECT_TRUE(backend_sums_natively(pg, at::kFloat, at::kCPU));
+  EXPECT_TRUE(backend_sums_natively(pg, at::kDouble, at::kCPU));
 }
 
 // ---- bad input: a c10::Error that names the hook ----------------------------------------------
@@ -565,19 +571,15 @@ TEST(HookErrors, BadCompressDtypeIsRejected) {
   }
 }
 
-// A collective that fails must fail the hook's future, never complete it with unreduced values.
-// The one failure this suite can inject portably-enough: torch 1.13's Gloo rejects bfloat16
-// reductions asynchronously ("Invalid scalar type", reported through the work's future).
-//
-// DISABLED: fails against src/hooks/exchange.cpp as of 443573b. sum_into's continuations take
-// the collective's future and never read it; c10::ivalue::Future::then does not forward a
-// parent's error by itself, so the hook's future completes normally with each rank's own
-// (scaled) values. Fix: begin both continuations with `f.value();` (rethrows the error), as
-// torch's default hooks do. Enable once fixed (run with --gtest_also_run_disabled_tests).
+// A collective that fails must fail the hook's future, never complete it with unreduced values
+// (sum_into's continuations begin with `f.value()`, which rethrows: Future::then does not forward
+// a parent's error by itself). A real backend's failure: torch 1.13's Gloo rejects bfloat16
+// reductions asynchronously ("Invalid scalar type", reported through the work's future). On
+// 2.x, where Gloo reduces bf16, FailedCollectiveFailsEveryHookPath below covers the same paths.
 TEST(HookErrors, CollectiveErrorReachesTheFuture) {
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  GTEST_SKIP() << "Gloo reduces bfloat16 in torch 2.x: no failing collective to inject";
-#else
+  if (kGlooReducesBf16) {
+    GTEST_SKIP() << "Gloo reduces bfloat16 in this torch: no failing collective to inject";
+  }
   // A private world: a failed collective must not leave the shared groups out of step.
   const auto pgs = ddpx_test::make_gloo_world(2);
   ddpx_test::run_ranks(pgs, [&](int rank, const ProcessGroupPtr& pg) {
@@ -594,7 +596,6 @@ TEST(HookErrors, CollectiveErrorReachesTheFuture) {
                                    << ": Gloo's bf16 allreduce failed, the future did not";
     }
   });
-#endif
 }
 
 // The same on every torch, with a process group whose collectives fail (test_utils.h), through

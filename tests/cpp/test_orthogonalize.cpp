@@ -1,5 +1,5 @@
 // Tests of PowerSGD's compute kernels: the batched Gram-Schmidt (kernels::orthogonalize_cpu /
-// orthogonalize_cuda, ddpx::orthogonalize_ over a MatrixPack) and the fused error-feedback update
+// orthogonalize_cuda, ddpx::ops::orthogonalize_ over a MatrixPack) and the fused error-feedback update
 // (error_feedback_apply_ / error_feedback_apply_cuda).
 //
 // References: torch's QR (at::linalg_qr, column signs fixed so that R has a positive diagonal,
@@ -15,8 +15,9 @@
 // report as skipped when ddpx was built without nvcc.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <ddpx/compression/orthogonalize.h>
-#include <ddpx/compression/powersgd_ops.h>
+#include "kernels/orthogonalize.h"
+#include "ops/lowrank.h"
+#include "ops/orthogonalize.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -36,7 +37,8 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda_test_utils.h"
-#include <ddpx/compression/orthogonalize_cuda.h>
+#include "kernels/lowrank_cuda.h"
+#include "kernels/orthogonalize_cuda.h"
 #endif
 
 namespace {
@@ -419,13 +421,13 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
 TEST(OrthogonalizeAten, MatchesKernelForEveryDtype) {
   const std::vector<Shape> shapes = {{5, 2}, {40, 8}, {3, 3}, {100, 1}};
   const Pack<double> p = make_pack<double>(shapes, 321);
-  const ddpx::MatrixPack pack(p.offsets, p.rows, p.cols, at::kCPU);
+  const ddpx::ops::MatrixPack pack(p.offsets, p.rows, p.cols, at::kCPU);
   EXPECT_EQ(pack.count(), 4);
   for (at::ScalarType dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
     for (double eps : {0.0, 1e-8}) {
       at::Tensor flat = flat_tensor(p.data, dt);
       const at::Tensor original = flat.clone();
-      ddpx::orthogonalize_(flat, pack, eps);
+      ddpx::ops::orthogonalize_(flat, pack, eps);
       at::Tensor want;
       if (dt == at::kDouble) {
         std::vector<double> d(p.data);
@@ -443,7 +445,7 @@ TEST(OrthogonalizeAten, MatchesKernelForEveryDtype) {
   // An empty pack leaves the buffer alone.
   at::Tensor untouched = flat_tensor(p.data, at::kFloat);
   const at::Tensor copy = untouched.clone();
-  ddpx::orthogonalize_(untouched, ddpx::MatrixPack({}, {}, {}, at::kCPU), 0.0);
+  ddpx::ops::orthogonalize_(untouched, ddpx::ops::MatrixPack({}, {}, {}, at::kCPU), 0.0);
   EXPECT_TRUE(bitwise_equal(untouched, copy));
 }
 
@@ -451,26 +453,26 @@ TEST(OrthogonalizeAten, RejectsBadArguments) {
   EXPECT_THAT(
       [] {
         try {
-          ddpx::MatrixPack({0}, {2}, {3}, at::kCPU);
+          ddpx::ops::MatrixPack({0}, {2}, {3}, at::kCPU);
         } catch (const c10::Error& e) {
           return std::string(e.what_without_backtrace());
         }
         return std::string("no error");
       }(),
       HasSubstr("more columns"));
-  const ddpx::MatrixPack pack({0}, {2}, {2}, at::kCPU);
-  EXPECT_THROW(ddpx::orthogonalize_(at::ones({2, 2}), pack, 0.0), c10::Error);
-  EXPECT_THROW(ddpx::orthogonalize_(at::ones({8}).slice(0, 0, 8, 2), pack, 0.0), c10::Error);
-  EXPECT_THROW(ddpx::orthogonalize_(at::ones({4}, at::kInt), pack, 0.0), c10::Error);
+  const ddpx::ops::MatrixPack pack({0}, {2}, {2}, at::kCPU);
+  EXPECT_THROW(ddpx::ops::orthogonalize_(at::ones({2, 2}), pack, 0.0), c10::Error);
+  EXPECT_THROW(ddpx::ops::orthogonalize_(at::ones({8}).slice(0, 0, 8, 2), pack, 0.0), c10::Error);
+  EXPECT_THROW(ddpx::ops::orthogonalize_(at::ones({4}, at::kInt), pack, 0.0), c10::Error);
   // Matrices reaching past the buffer: refused before any kernel runs (on a GPU the write would
   // leave a sticky error in the CUDA context), the buffer untouched.
-  const ddpx::MatrixPack beyond({0, 4}, {2, 4}, {2, 2}, at::kCPU);  // extends to element 12
+  const ddpx::ops::MatrixPack beyond({0, 4}, {2, 4}, {2, 2}, at::kCPU);  // extends to element 12
   EXPECT_EQ(beyond.extent(), 12);
   at::Tensor short_buffer = at::ones({11});
   EXPECT_THAT(
       [&] {
         try {
-          ddpx::orthogonalize_(short_buffer, beyond, 0.0);
+          ddpx::ops::orthogonalize_(short_buffer, beyond, 0.0);
         } catch (const c10::Error& e) {
           return std::string(e.what_without_backtrace());
         }
@@ -491,7 +493,7 @@ TEST(ErrorFeedbackApply, AddsResidualIntoBoth) {
       for (auto& x : b) x = normal(gen) * 1e-2;
       at::Tensor input = flat_tensor(a, dt), err = flat_tensor(b, dt);
       const at::Tensor want = input + err;
-      ddpx::error_feedback_apply_(input, err);
+      ddpx::ops::error_feedback_apply_(input, err);
       EXPECT_TRUE(bitwise_equal(err, want)) << dt << " n " << n;
       EXPECT_TRUE(bitwise_equal(input, want)) << dt << " n " << n;
     }
@@ -499,7 +501,7 @@ TEST(ErrorFeedbackApply, AddsResidualIntoBoth) {
   // A 2-D input against a flat residual of the same numel (a bucket view vs its memory).
   at::Tensor input = at::arange(12, at::kFloat).reshape({3, 4}) + 1;
   at::Tensor err = at::full({12}, 0.5f);
-  ddpx::error_feedback_apply_(input, err);
+  ddpx::ops::error_feedback_apply_(input, err);
   EXPECT_TRUE(bitwise_equal(err, at::arange(12, at::kFloat) + 1.5f));
   EXPECT_TRUE(bitwise_equal(input.reshape({-1}), err));
 }
@@ -507,7 +509,7 @@ TEST(ErrorFeedbackApply, AddsResidualIntoBoth) {
 TEST(ErrorFeedbackApply, RejectsMismatchedBuffers) {
   auto message = [](const at::Tensor& a, const at::Tensor& b) -> std::string {
     try {
-      ddpx::error_feedback_apply_(a, b);
+      ddpx::ops::error_feedback_apply_(a, b);
     } catch (const c10::Error& e) {
       return e.what_without_backtrace();
     }

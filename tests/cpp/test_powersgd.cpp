@@ -192,8 +192,9 @@ std::vector<at::Tensor> run_step(CommHook& hook, const std::vector<at::Tensor>& 
 
 // Parameter p's error-feedback residual in `st` (a copy, fp64), zeros when it has none yet.
 at::Tensor residual(const PowerSGDState& st, int p, int64_t numel) {
-  auto it = st.error_memory.find(p);
-  if (it == st.error_memory.end()) return at::zeros({numel}, at::kDouble);
+  const auto memories = st.error_memories();
+  auto it = memories.find(p);
+  if (it == memories.end()) return at::zeros({numel}, at::kDouble);
   EXPECT_EQ(it->second.numel(), numel) << "error memory of parameter " << p;
   return it->second.to(at::kDouble).reshape({-1}).clone();
 }
@@ -260,7 +261,7 @@ TEST_P(PowerSGDTest, ExactMeanBeforeStartIter) {
       ASSERT_FALSE(got[rank][s].empty());
       EXPECT_EQ(st->iter(), s + 1);
       if (s < start) {
-        EXPECT_TRUE(st->error_memory.empty() && st->q_memory.empty()) << "step " << s;
+        EXPECT_TRUE(st->error_memories().empty() && st->q_memories().empty()) << "step " << s;
         EXPECT_EQ(st->compression_stats(), std::make_tuple(0.0, int64_t{0}, int64_t{0}));
       } else {
         EXPECT_GT(std::get<1>(st->compression_stats()), 0);
@@ -360,10 +361,10 @@ TEST_P(PowerSGDTest, ErrorFeedbackConservesTheGradient) {
       got[r][s] = run_step(*hook, params, layout, grads);
       ASSERT_FALSE(got[r][s].empty());
       if (s < start) {
-        EXPECT_TRUE(st->error_memory.empty()) << "step " << s;
+        EXPECT_TRUE(st->error_memories().empty()) << "step " << s;
         continue;
       }
-      EXPECT_EQ(st->error_memory.size(), shapes.size());
+      EXPECT_EQ(st->error_memories().size(), shapes.size());
       for (size_t p = 0; p < shapes.size(); ++p) {
         const at::Tensor in = grads[p].to(at::kDouble), out = got[r][s][p].to(at::kDouble);
         const at::Tensor after = residual(*st, static_cast<int>(p), numel_of(shapes[p]));
@@ -509,22 +510,23 @@ TEST_P(PowerSGDTest, WarmStartReusesTheAllreducedQ) {
         for (int p = 0; p < 3; ++p) {
           compensated[r][s].push_back(grads[p].to(at::kDouble) +
                                       residual(*st, p, numel_of(shapes[p])));
-          auto it = st->q_memory.find(p);
-          q_before[r][s].push_back(it == st->q_memory.end() ? at::Tensor()
+          const auto memories = st->q_memories();
+          auto it = memories.find(p);
+          q_before[r][s].push_back(it == memories.end() ? at::Tensor()
                                                             : it->second.to(at::kDouble).clone());
         }
         got[r][s] = run_step(*hook, params, layout, grads);
         ASSERT_FALSE(got[r][s].empty());
         if (s < start) {
-          EXPECT_TRUE(st->q_memory.empty());
+          EXPECT_TRUE(st->q_memories().empty());
           continue;
         }
         // One Q (m x r) per compressed matrix, none for {7}.
-        ASSERT_EQ(st->q_memory.size(), 3u);
+        ASSERT_EQ(st->q_memories().size(), 3u);
         const int64_t q_numel[] = {10 * rank, 12 * rank, 6 * rank};
         for (int p = 0; p < 3; ++p) {
-          ASSERT_EQ(st->q_memory.at(p).numel(), q_numel[p]);
-          q_after[r][s].push_back(st->q_memory.at(p).to(at::kDouble).clone());
+          ASSERT_EQ(st->q_memories().at(p).numel(), q_numel[p]);
+          q_after[r][s].push_back(st->q_memories().at(p).to(at::kDouble).clone());
         }
       }
     });
@@ -738,11 +740,11 @@ TEST_P(PowerSGDTest, CheckpointContinuesBitForBitInAnotherLayout) {
     EXPECT_EQ(st_b->iter(), steps);
     EXPECT_EQ(st_b->compression_stats(), st_a->compression_stats());
     for (int p = 0; p < static_cast<int>(shapes.size()); ++p) {
-      EXPECT_TRUE(bitwise_equal(st_b->error_memory.at(p), st_c->error_memory.at(p)))
+      EXPECT_TRUE(bitwise_equal(st_b->error_memories().at(p), st_c->error_memories().at(p)))
           << "error memory of parameter " << p;
     }
     for (int p : {0, 2, 3}) {
-      EXPECT_TRUE(bitwise_equal(st_b->q_memory.at(p), st_c->q_memory.at(p)))
+      EXPECT_TRUE(bitwise_equal(st_b->q_memories().at(p), st_c->q_memories().at(p)))
           << "Q memory of parameter " << p;
     }
   });
@@ -917,7 +919,7 @@ TEST(PowerSGDErrors, IntegerBucketIsRejected) {
                   AllOf(HasSubstr(hook->name()), HasSubstr("floating-point")));
       f0->wait();
       EXPECT_FALSE(f0->hasError()) << f0->tryRetrieveErrorMessage();
-      EXPECT_FALSE(st->pending) << "round two of bucket 0 was not issued";
+      EXPECT_FALSE(st->round_two_pending()) << "round two of bucket 0 was not issued";
     }
   }
 }

@@ -30,7 +30,7 @@
 
 namespace ddpx_test {
 
-using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using ddpx::ProcessGroupPtr;
 
 // A desynchronised test (one rank skipped a collective) fails after this long instead of
 // hanging until ctest's timeout.
@@ -47,18 +47,7 @@ inline ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& st
   // Hooks issue one collective at a time per bucket; one worker thread per group is enough and
   // keeps 10 groups (world sizes 1..4) light on a 2-core machine.
   options->threads = 1;
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  // torch 2.x: ProcessGroupGloo is a c10d::Backend; hooks take the ProcessGroup wrapping it.
-  // (Written against torch 2.11's ProcessGroup(store, rank, size) + setBackend.)
-  auto backend = c10::static_intrusive_pointer_cast<c10d::Backend>(
-      c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options));
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
-  return pg;
-#else
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-#endif
+  return ddpx::compat::make_gloo_group(store, rank, size, options);
 }
 
 // A process group whose allreduce and alltoall_base fail: each returns a Work whose future holds
@@ -81,11 +70,7 @@ class FailedWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-using FailingBase = c10d::Backend;  // torch 2.x: the ProcessGroup wraps a Backend
-#else
-using FailingBase = c10d::ProcessGroup;  // torch 1.13: the ProcessGroup is the backend
-#endif
+using FailingBase = ddpx::compat::Backend;
 
 class FailingCollectives final : public FailingBase {
  public:
@@ -109,16 +94,9 @@ class FailingCollectives final : public FailingBase {
 
 inline ProcessGroupPtr make_failing_group(int rank, int size, const std::string& message) {
   auto failing = c10::make_intrusive<detail::FailingCollectives>(rank, size, message);
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), rank,
-                                                    size);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
-                 c10::static_intrusive_pointer_cast<c10d::Backend>(failing));
-  return pg;
-#else
-  return failing;
-#endif
+  return ddpx::compat::process_group_of(
+      c10::static_intrusive_pointer_cast<ddpx::compat::Backend>(failing),
+      c10::make_intrusive<c10d::HashStore>(), rank, size);
 }
 
 // `size` process groups, one per rank, over one fresh c10d::HashStore.

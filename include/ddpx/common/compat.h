@@ -1,17 +1,31 @@
 // The one place where ddpx absorbs differences between the torch versions it builds against
-// (Debian's 1.13 and pip's 2.x). Everything else includes this instead of testing versions.
+// (Debian's 1.13 and pip's 2.x). Everything else includes this instead of testing versions: no
+// version #if appears outside this file (library, tests, examples, benchmarks). Where an API's
+// shape can be detected (a constructor's arguments), it is detected instead of versioned.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+#include <ddpx/common/process_group.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/optim/optimizer.h>
 #include <torch/version.h>
+#ifdef USE_C10D_GLOO  // ProcessGroupGloo.hpp declares its class only then (as when torch is built)
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 
 #define DDPX_TORCH_VERSION_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||               \
@@ -78,6 +92,152 @@ inline c10d::GradBucket make_grad_bucket(size_t index, size_t bucket_count,
   return detail::make_grad_bucket_impl(std::integral_constant<bool, kSevenArgs>{}, index, bucket_count,
                                buffer, offsets, lengths, sizes, parameters);
 }
+
+// ---- process groups ----------------------------------------------------------------------
+
+// The class a collective backend derives from: torch 2.x splits a ProcessGroup (the handle
+// hooks take) from the Backend(s) it wraps; in 1.13 the backend is the ProcessGroup itself.
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+using Backend = c10d::Backend;
+#else
+using Backend = c10d::ProcessGroup;
+#endif
+
+// The ProcessGroup over one CPU `backend` of `rank` in `size` ranks, as torch builds it for
+// dist.new_group(backend="gloo"): a 2.x ProcessGroup wrapping it as its Gloo backend, or in 1.13
+// the backend itself. `backend_type` is what the 2.x group reports (Gloo by default).
+inline ProcessGroupPtr process_group_of(c10::intrusive_ptr<Backend> backend,
+                                        const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                        int size) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, std::move(backend));
+  return pg;
+#else
+  (void)store;
+  (void)rank;
+  (void)size;
+  return backend;
+#endif
+}
+
+#ifdef USE_C10D_GLOO
+// A Gloo process group for `rank` of `size` over `store` (construction is a rendezvous: every
+// rank must construct its group concurrently). Ranks that are threads of one process should call
+// disable_flight_recorder_for_thread_ranks() first.
+inline ProcessGroupPtr make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, std::move(options));
+  return process_group_of(c10::static_intrusive_pointer_cast<Backend>(gloo), store, rank, size);
+}
+#endif
+
+// Whether Gloo reduces bfloat16 (allreduce in the values' own dtype): not in torch 1.13.
+constexpr bool kGlooReducesBf16 = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
+
+// ---- DDP's Reducer ---------------------------------------------------------------------------
+
+// What c10d::Reducer's constructor takes, by name (its positional list changed across releases).
+struct ReducerArgs {
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<size_t>> bucket_indices;
+  // Size limit of each bucket of bucket_indices, as compute_bucket_assignment_by_size returns.
+  std::vector<size_t> per_bucket_size_limits;
+  ProcessGroupPtr process_group;
+  std::vector<bool> expect_sparse_gradients;
+  int64_t bucket_bytes_cap = 25 * 1024 * 1024;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  std::unordered_map<size_t, std::string> param_names;
+  int64_t first_bucket_bytes_cap = 1024 * 1024;
+};
+
+// A c10d::Reducer (DDP's C++ engine: autograd hooks, buckets, the comm hook) from `args`.
+inline std::shared_ptr<c10d::Reducer> make_reducer(ReducerArgs args) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  // 2.x: (..., first_bucket_bytes_cap, skip_all_reduce_unused_params, use_python_reducer,
+  // bucket_bytes_cap_list), the limits moved to the end as int64s.
+  std::vector<int64_t> limits(args.per_bucket_size_limits.begin(),
+                              args.per_bucket_size_limits.end());
+  return std::make_shared<c10d::Reducer>(
+      std::move(args.params), std::move(args.bucket_indices), std::move(args.process_group),
+      std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,
+      args.gradient_as_bucket_view, std::move(args.param_names), args.first_bucket_bytes_cap,
+      /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false, std::move(limits));
+#else
+  return std::make_shared<c10d::Reducer>(
+      std::move(args.params), std::move(args.bucket_indices),
+      std::move(args.per_bucket_size_limits), std::move(args.process_group),
+      std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,
+      args.gradient_as_bucket_view, std::move(args.param_names), args.first_bucket_bytes_cap);
+#endif
+}
+
+// ---- optimizers -----------------------------------------------------------------------------
+
+// Optimizer::zero_grad(set_to_none): 2.x's default drops the gradients; 1.13's zero_grad() only
+// zeroes them, so set_to_none is done here by hand there.
+inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  optimizer.zero_grad(set_to_none);
+#else
+  if (!set_to_none) {
+    optimizer.zero_grad();
+    return;
+  }
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.mutable_grad().defined()) p.mutable_grad() = at::Tensor();
+    }
+  }
+#endif
+}
+
+// ---- c10 hooks used by tests and tools -------------------------------------------------------
+
+namespace detail {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+namespace warning_utils = c10::WarningUtils;
+#else
+namespace warning_utils = c10::Warning;
+#endif
+}  // namespace detail
+
+// Receives TORCH_WARN messages issued on the constructing thread while alive (c10's handler is
+// thread-local; 2.x moved it from c10::Warning to c10::WarningUtils and changed process()'s
+// arguments).
+class ScopedWarningHandler : public c10::WarningHandler {
+ public:
+  ScopedWarningHandler() : guard_(this) {}
+  virtual void on_warning(const std::string& message) = 0;
+
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  void process(const c10::Warning& warning) override { on_warning(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    on_warning(msg);
+  }
+#endif
+
+ private:
+  detail::warning_utils::WarningHandlerGuard guard_;
+};
+
+// c10's memory-reporting hook with one signature: on_memory(bytes, device) per allocation
+// (positive) and free (negative). 2.x changed the size arguments' types.
+class MemoryReporter : public c10::MemoryReportingInfoBase {
+ public:
+  virtual void on_memory(int64_t bytes, c10::Device device) = 0;
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device device) override {
+#else
+  void reportMemoryUsage(void*, int64_t alloc_size, int64_t, int64_t, c10::Device device) override {
+#endif
+    on_memory(alloc_size, device);
+  }
+};
 
 }  // namespace compat
 }  // namespace ddpx

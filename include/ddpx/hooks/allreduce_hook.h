@@ -2,7 +2,7 @@
 #pragma once
 
 #include <ddpx/hooks/comm_hook.h>
-#include <ddpx/hooks/exchange.h>
+#include <ddpx/comm/exchange_mode.h>
 
 namespace ddpx {
 namespace hooks {
@@ -12,22 +12,22 @@ namespace hooks {
 // the exchange mode applies: on Gloo/CPU the 16-bit values are gathered and summed in fp32.
 class AllreduceHook final : public CommHook {
  public:
-  explicit AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+  explicit AllreduceHook(ProcessGroupPtr process_group,
                          ExchangeMode exchange = ExchangeMode::kAuto);
 
   std::string name() const override { return "allreduce_hook"; }
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  const ProcessGroupPtr& process_group() const { return pg_; }
   ExchangeMode exchange() const { return exchange_; }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  ProcessGroupPtr pg_;
   ExchangeMode exchange_;
 };
 
 // Factory mirroring torch's name.
-CommHookPtr allreduce_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+CommHookPtr allreduce_hook(ProcessGroupPtr process_group);
 
 }  // namespace hooks
 }  // namespace ddpx

@@ -2,7 +2,7 @@
 #pragma once
 
 #include <ddpx/hooks/comm_hook.h>
-#include <ddpx/hooks/exchange.h>
+#include <ddpx/comm/exchange_mode.h>
 
 namespace ddpx {
 namespace hooks {
@@ -16,25 +16,25 @@ namespace hooks {
 // than Gloo's scalar 16-bit summation. On NCCL the 16-bit allreduce is used.
 class CompressHook final : public CommHook {
  public:
-  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, at::ScalarType dtype,
+  CompressHook(ProcessGroupPtr process_group, at::ScalarType dtype,
                ExchangeMode exchange = ExchangeMode::kAuto);
 
   std::string name() const override;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
   at::ScalarType dtype() const { return dtype_; }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  const ProcessGroupPtr& process_group() const { return pg_; }
   ExchangeMode exchange() const { return exchange_; }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  ProcessGroupPtr pg_;
   at::ScalarType dtype_;
   ExchangeMode exchange_;
 };
 
 // Factories mirroring torch's names.
-CommHookPtr fp16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
-CommHookPtr bf16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+CommHookPtr fp16_compress_hook(ProcessGroupPtr process_group);
+CommHookPtr bf16_compress_hook(ProcessGroupPtr process_group);
 
 }  // namespace hooks
 }  // namespace ddpx

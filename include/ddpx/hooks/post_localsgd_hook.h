@@ -28,14 +28,14 @@ class PostLocalSGDState {
   // new_subgroups(); the Python class creates the intra-node subgroups when given None).
   // `logger` receives torch's info lines; null means c10's LOG(INFO).
   // Throws c10::ValueError for start_localSGD_iter < 0, c10::TypeError for a null process_group.
-  PostLocalSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                    c10::intrusive_ptr<c10d::ProcessGroup> subgroup, int64_t start_localSGD_iter,
+  PostLocalSGDState(ProcessGroupPtr process_group,
+                    ProcessGroupPtr subgroup, int64_t start_localSGD_iter,
                     bool post_local_gradient_allreduce = true, Logger logger = nullptr);
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
-  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> pg);
-  const c10::intrusive_ptr<c10d::ProcessGroup>& subgroup() const { return subgroup_; }
-  void set_subgroup(c10::intrusive_ptr<c10d::ProcessGroup> pg) { subgroup_ = std::move(pg); }
+  const ProcessGroupPtr& process_group() const { return process_group_; }
+  void set_process_group(ProcessGroupPtr pg);
+  const ProcessGroupPtr& subgroup() const { return subgroup_; }
+  void set_subgroup(ProcessGroupPtr pg) { subgroup_ = std::move(pg); }
 
   int64_t start_localSGD_iter() const { return start_localSGD_iter_; }
   void set_start_localSGD_iter(int64_t value);
@@ -63,8 +63,8 @@ class PostLocalSGDState {
   void log(const std::string& line) const;
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
-  c10::intrusive_ptr<c10d::ProcessGroup> subgroup_;
+  ProcessGroupPtr process_group_;
+  ProcessGroupPtr subgroup_;
   int64_t start_localSGD_iter_;
   bool post_local_gradient_allreduce_;
   int64_t iter_ = 0;

@@ -8,12 +8,13 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <ddpx/common/process_group.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 namespace ddpx {
@@ -58,8 +59,8 @@ class NumpyRandint {
 };
 
 namespace detail {
-struct BucketLayout;
-struct PendingJob;
+// The hooks' working memory (bucket layouts, memories, the deferred round two): private.
+class PowerSGDMemory;
 }  // namespace detail
 
 // State shared by powerSGD_hook / batched_powerSGD_hook and their runs. One state serves one DDP
@@ -77,7 +78,7 @@ struct PendingJob;
 class PowerSGDState {
  public:
   // `logger` receives the info lines (see set_logger); null means c10's LOG(INFO).
-  PowerSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group, PowerSGDOptions options = {},
+  PowerSGDState(ProcessGroupPtr process_group, PowerSGDOptions options = {},
                 std::function<void(const std::string&)> logger = nullptr);
   ~PowerSGDState();
 
@@ -85,8 +86,8 @@ class PowerSGDState {
   // Replaces the options (validated); the memories are kept.
   void set_options(const PowerSGDOptions& options);
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
-  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  const ProcessGroupPtr& process_group() const { return pg_; }
+  void set_process_group(ProcessGroupPtr pg);
 
   int64_t iter() const { return iter_; }
   void set_iter(int64_t iter) { iter_ = iter; }
@@ -112,6 +113,14 @@ class PowerSGDState {
   std::vector<char> save() const;
   void load(const std::vector<char>& bytes);
 
+  // Error-feedback residuals and warm-start Q factors per parameter key (order of first
+  // appearance): the live tensors (views into the hooks' buffers: read them, do not keep them
+  // across a step), plus memories restored from a checkpoint and not yet claimed by a bucket.
+  std::map<int64_t, at::Tensor> error_memories() const;
+  std::map<int64_t, at::Tensor> q_memories() const;
+  // Whether a bucket's round two waits for the next runHook (true only during backward).
+  bool round_two_pending() const;
+
   // --- used by the hooks ---
   NumpyRandint& rng() { return rng_; }
   void add_compression_stats(int64_t before, int64_t after);
@@ -119,26 +128,11 @@ class PowerSGDState {
   // Parameter keys of a bucket, assigning new keys in first-appearance order; errors if the
   // state already saw a whole iteration of another model.
   std::vector<int64_t> keys_for(const c10d::GradBucket& bucket, const std::string& hook_name);
-
-  // Per-parameter memories: views into the current bucket layouts.
-  std::unordered_map<int64_t, at::Tensor> error_memory;
-  std::unordered_map<int64_t, at::Tensor> q_memory;
-  // Memories loaded from a checkpoint and not yet claimed by a bucket layout.
-  std::unordered_map<int64_t, at::Tensor> restored_error;
-  std::unordered_map<int64_t, at::Tensor> restored_q;
-  // Batched hook: Q factor per bucket, keyed by the bucket's parameter keys joined with ','.
-  std::unordered_map<std::string, at::Tensor> batched_q_memory;
-  std::unordered_map<std::string, at::Tensor> restored_batched_q;
-  // Batched hook: the residual in the zero padding of each bucket's square matrix (nonzero, since
-  // the low-rank result is), keyed like batched_q_memory.
-  std::unordered_map<std::string, at::Tensor> batched_error_pad;
-  std::unordered_map<std::string, at::Tensor> restored_batched_error_pad;
-  // Current layout per bucket index, and the bucket whose second round is still to be issued.
-  std::unordered_map<size_t, std::shared_ptr<detail::BucketLayout>> layouts;
-  std::shared_ptr<detail::PendingJob> pending;
+  detail::PowerSGDMemory& memory() { return *memory_; }
+  const detail::PowerSGDMemory& memory() const { return *memory_; }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  ProcessGroupPtr pg_;
   PowerSGDOptions options_;
   NumpyRandint rng_;
   int64_t iter_ = 0;
@@ -148,6 +142,7 @@ class PowerSGDState {
   std::unordered_map<const void*, int64_t> key_of_;
   bool saw_full_iteration_ = false;
   std::function<void(const std::string&)> logger_;
+  std::unique_ptr<detail::PowerSGDMemory> memory_;
 };
 
 using PowerSGDStatePtr = std::shared_ptr<PowerSGDState>;

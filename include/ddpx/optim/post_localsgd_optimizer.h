@@ -2,9 +2,9 @@
 // optimizer. Each step() runs the local optimizer, then the model averager on the optimizer's
 // parameter groups.
 //
-//   auto opt = ddpx::PostLocalSGDOptimizer(
+//   auto opt = ddpx::optim::PostLocalSGDOptimizer(
 //       std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01)),
-//       std::make_shared<ddpx::PeriodicModelAverager>(4, 100, pg));
+//       std::make_shared<ddpx::optim::PeriodicModelAverager>(4, 100, pg));
 //   opt.zero_grad(); loss.backward(); opt.step();
 //
 // LR schedulers: attach them to optimizer() (the wrapped optimizer owns the parameter groups).
@@ -14,11 +14,12 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <ddpx/averaging/averagers.h>
+#include <ddpx/optim/averagers.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
 namespace ddpx {
+namespace optim {
 
 class PostLocalSGDOptimizer {
  public:
@@ -50,5 +51,10 @@ class PostLocalSGDOptimizer {
   std::shared_ptr<torch::optim::Optimizer> optim_;
   std::shared_ptr<ModelAverager> averager_;
 };
+
+}  // namespace optim
+
+// The name this class has had since it was first public.
+using optim::PostLocalSGDOptimizer;
 
 }  // namespace ddpx

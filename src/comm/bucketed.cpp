@@ -1,5 +1,5 @@
-// Bucketed, in-place parameter averaging. See include/ddpx/averaging/average.h.
-#include <ddpx/averaging/average.h>
+// The bucketed in-place collective engine. See include/ddpx/comm/bucketed.h.
+#include <ddpx/comm/bucketed.h>
 
 #include <algorithm>
 #include <deque>
@@ -8,9 +8,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <ddpx/common/compat.h>
+#include <ddpx/comm/exchange_mode.h>
 
 namespace ddpx {
+namespace comm {
 
 namespace {
 
@@ -52,15 +53,6 @@ struct Plan {
   int live_temporaries = 0;  // kTemporary copies alive now
 };
 
-// 16-bit values on CPU or on a Gloo group would be summed by Gloo (scalar code, and wrong for
-// fp16; no bf16 in torch 1.13): average them in fp32 there. Other dtypes keep torch's promotion.
-at::ScalarType compute_dtype(at::ScalarType promoted, const at::Device& device,
-                             const c10d::ProcessGroup& pg) {
-  const bool half = promoted == at::kHalf || promoted == at::kBFloat16;
-  if (half && (device.is_cpu() || compat::backend_name(pg) == "gloo")) return at::kFloat;
-  return promoted;
-}
-
 // Every rank must build the same plan (the same collectives, in the same order, of the same
 // sizes), and a plan that reduces tensors in their own storage depends on their layouts, which
 // torch does not require to match across ranks (DDP checks parameter strides; direct callers of
@@ -69,7 +61,7 @@ at::ScalarType compute_dtype(at::ScalarType promoted, const at::Device& device,
 // their own storage (averaging is elementwise, so memory order is as good as logical order);
 // otherwise every tensor is copied through the staging buckets in logical order.
 bool same_layouts(const std::vector<at::Tensor>& params,
-                  const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+                  const ProcessGroupPtr& pg) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over every tensor's strides and density
   auto mix = [&](int64_t v) {
     h ^= static_cast<uint64_t>(v);
@@ -197,13 +189,12 @@ struct InFlight {
   c10::intrusive_ptr<c10d::Work> work;
 };
 
-void average_on_device(const std::vector<at::Tensor>& params,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::ScalarType dtype,
-                       int64_t cap_bytes, AverageStats& stats) {
+void run_on_device(const std::vector<at::Tensor>& params, const ProcessGroupPtr& pg,
+                   const BucketCollective& collective, at::ScalarType dtype, int64_t cap_bytes,
+                   BucketStats& stats) {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t cap_elems = std::max<int64_t>(1, cap_bytes / elem);
   Plan plan = make_plan(params, dtype, cap_elems, same_layouts(params, pg));
-  const int64_t world = pg->getSize();
   const auto options = params.front().options().dtype(dtype);
 
   // Two staging buffers, sized to the largest bucket of this call and allocated only if used.
@@ -254,14 +245,12 @@ void average_on_device(const std::vector<at::Tensor>& params,
           pack(plan.sources[s.source], s, values, plan.live_temporaries);
         }
       }
-      // torch's order of operations: divide by the group size, then sum. The division runs
-      // while the previous collectives are in flight.
-      values.div_(world);
       // At most ~two buckets' worth of collectives in flight (staged ones are bounded by the two
       // slots already; this also keeps Gloo's per-collective buffers few).
       while (!in_flight.empty() && in_flight_elems + job.numel > 2 * cap_elems) finish_oldest();
-      std::vector<at::Tensor> tensors{values};
-      auto work = pg->allreduce(tensors);
+      // Any preparation of the values (AllreduceMean's division) runs while the previous
+      // collectives are in flight.
+      auto work = collective.start(*pg, values);
       ++stats.collectives;
       in_flight.push_back(InFlight{j, slot, std::move(work)});
       in_flight_elems += job.numel;
@@ -287,56 +276,81 @@ void average_on_device(const std::vector<at::Tensor>& params,
   stats.staged_tensors += std::count(staged.begin(), staged.end(), true);
 }
 
-}  // namespace
+// Groups `tensors` as the collective travels: per device in order of first appearance, and per
+// dtype too when the collective does not promote.
+struct Pass {
+  at::Device device;
+  at::ScalarType dtype;  // promoted (or own) dtype of the pass's tensors
+  std::vector<at::Tensor> tensors;
+};
 
-std::vector<at::Tensor> params_with_grad(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> out;
-  out.reserve(params.size());
-  for (const at::Tensor& p : params) {
-    if (p.defined() && p.grad().defined()) out.push_back(p);
+std::vector<Pass> passes_of(const std::vector<at::Tensor>& tensors, bool promotes) {
+  std::vector<Pass> passes;
+  for (const at::Tensor& t : tensors) {
+    auto it = std::find_if(passes.begin(), passes.end(), [&](const Pass& p) {
+      return p.device == t.device() && (promotes || p.dtype == t.scalar_type());
+    });
+    if (it == passes.end()) {
+      passes.push_back(Pass{t.device(), t.scalar_type(), {}});
+      it = std::prev(passes.end());
+    }
+    it->dtype = c10::promoteTypes(it->dtype, t.scalar_type());
+    it->tensors.push_back(t);
   }
-  return out;
+  return passes;
 }
 
-AverageStats average_parameters(const std::vector<at::Tensor>& params,
-                                const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
-                                const AverageOptions& options) {
-  TORCH_CHECK_VALUE(options.bucket_cap_bytes > 0,
-                    "average_parameters: bucket_cap_bytes must be positive, got ",
+}  // namespace
+
+at::ScalarType AllreduceMean::wire_dtype(at::ScalarType dtype, const c10::Device& device,
+                                         const c10d::ProcessGroup& pg) const {
+  return backend_sums_natively(pg, dtype, device) ? dtype : at::kFloat;
+}
+
+c10::intrusive_ptr<c10d::Work> AllreduceMean::start(c10d::ProcessGroup& pg,
+                                                    const at::Tensor& values) const {
+  // torch's order of operations: divide by the group size, then sum.
+  values.div_(pg.getSize());
+  std::vector<at::Tensor> tensors{values};
+  return pg.allreduce(tensors);
+}
+
+Broadcast::Broadcast(int64_t root) : root_(root) {
+  TORCH_CHECK_VALUE(root >= 0, "Broadcast: root must be a group rank >= 0, got ", root);
+}
+
+c10::intrusive_ptr<c10d::Work> Broadcast::start(c10d::ProcessGroup& pg,
+                                                const at::Tensor& values) const {
+  TORCH_CHECK_VALUE(root_ < pg.getSize(), "Broadcast: root ", root_, " is not a rank of a group of ",
+                    pg.getSize());
+  std::vector<at::Tensor> tensors{values};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root_;
+  return pg.broadcast(tensors, opts);
+}
+
+BucketStats run_bucketed(const std::vector<at::Tensor>& tensors, const ProcessGroupPtr& pg,
+                         const BucketCollective& collective, const BucketOptions& options) {
+  TORCH_CHECK_VALUE(options.bucket_cap_bytes > 0, "bucket_cap_bytes must be positive, got ",
                     options.bucket_cap_bytes);
-  AverageStats stats;
-  if (!process_group || params.empty()) return stats;
-  at::ScalarType promoted = at::ScalarType::Undefined;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    TORCH_CHECK_VALUE(p.defined(), "average_parameters: parameter ", i, " is undefined");
-    TORCH_CHECK_VALUE(p.layout() == at::kStrided, "average_parameters: parameter ", i,
-                      " is not a dense tensor (layout ", p.layout(), ")");
-    TORCH_CHECK_VALUE(p.is_floating_point() || p.is_complex(), "average_parameters: parameter ",
-                      i, " has dtype ", p.scalar_type(), "; only floating-point values average");
-    promoted = i == 0 ? p.scalar_type() : c10::promoteTypes(promoted, p.scalar_type());
+  BucketStats stats;
+  if (!pg || tensors.empty()) return stats;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].defined(), "tensor ", i, " is undefined");
+    TORCH_CHECK_VALUE(tensors[i].layout() == at::kStrided, "tensor ", i,
+                      " is not a dense tensor (layout ", tensors[i].layout(), ")");
   }
-  stats.tensors = static_cast<int64_t>(params.size());
-  // A group of one: x / 1 summed over one rank is x, bit for bit.
-  if (process_group->getSize() == 1) return stats;
+  stats.tensors = static_cast<int64_t>(tensors.size());
+  // A group of one: nothing to exchange (an average over one rank is x / 1 = x, bit for bit).
+  if (pg->getSize() == 1) return stats;
 
   c10::AutoGradMode no_grad(false);
-  // One pass per device, in order of first appearance (the same on every rank).
-  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
-  for (const at::Tensor& p : params) {
-    auto it = std::find_if(by_device.begin(), by_device.end(),
-                           [&](const auto& e) { return e.first == p.device(); });
-    if (it == by_device.end()) {
-      by_device.emplace_back(p.device(), std::vector<at::Tensor>{});
-      it = std::prev(by_device.end());
-    }
-    it->second.push_back(p);
-  }
-  for (const auto& entry : by_device) {
-    average_on_device(entry.second, process_group, compute_dtype(promoted, entry.first, *process_group),
-                      options.bucket_cap_bytes, stats);
+  for (const Pass& pass : passes_of(tensors, collective.promotes())) {
+    run_on_device(pass.tensors, pg, collective, collective.wire_dtype(pass.dtype, pass.device, *pg),
+                  options.bucket_cap_bytes, stats);
   }
   return stats;
 }
 
+}  // namespace comm
 }  // namespace ddpx

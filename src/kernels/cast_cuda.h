@@ -1,4 +1,4 @@
-// CUDA variants of the kernels in <ddpx/compression/kernels.h>: same semantics, device pointers,
+// CUDA variants of the kernels in cast.h: same semantics, device pointers,
 // launched asynchronously on `stream` (never on the default stream by accident: pass the
 // caller's current stream). Errors in the launch are raised as std::runtime_error.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <ddpx/compression/kernels.h>
+#include "cast.h"
 
 namespace ddpx {
 namespace kernels {

@@ -1,7 +1,7 @@
 // Torch-free compression kernels: raw pointers, element counts and a dtype tag.
 //
-// These are the compute core of the fp16/bf16 hooks. The ATen layer
-// (<ddpx/compression/cast.h>) validates tensors and picks the CPU or CUDA variant by device.
+// The compute core of the fp16/bf16 hooks and of the 16-bit exchange. The ATen layer (ops/cast.h)
+// validates tensors and picks the CPU or CUDA variant (cast_cuda.h) by device.
 #pragma once
 
 #include <cstddef>

@@ -1,9 +1,10 @@
-#include <ddpx/averaging/averagers.h>
+#include <ddpx/optim/averagers.h>
 
 #include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
 
 namespace ddpx {
+namespace optim {
 
 namespace {
 const char* kPeriodOneAdvice =
@@ -45,7 +46,7 @@ void ModelAverager::average_parameters(
 
 void ModelAverager::average_with(const std::vector<at::Tensor>& params,
                                  const ProcessGroupPtr& group) {
-  last_stats_ = ddpx::average_parameters(params_with_grad(params), group, options_);
+  last_stats_ = comm::average_parameters(params_with_grad(params), group, options_);
 }
 
 PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_steps,
@@ -122,4 +123,5 @@ void HierarchicalModelAverager::average_parameters(const std::vector<at::Tensor>
   ++step_;
 }
 
+}  // namespace optim
 }  // namespace ddpx

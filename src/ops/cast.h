@@ -1,4 +1,4 @@
-// ATen layer over the compression kernels: validates tensors, picks the CPU or CUDA kernel by
+// ATen layer over kernels/cast{,_cuda}.h: validates tensors, picks the CPU or CUDA kernel by
 // device, and launches CUDA work on the current stream of the tensors' device.
 #pragma once
 
@@ -6,9 +6,10 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <ddpx/compression/kernels.h>
+#include "kernels/cast.h"
 
 namespace ddpx {
+namespace ops {
 
 // Kernel dtype tag for a floating tensor dtype; a clear error naming `what` otherwise.
 kernels::DType to_kernel_dtype(at::ScalarType t, const char* what);
@@ -29,4 +30,5 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale);
 // contiguous with dst.numel() elements. Accumulates in fp32 (fp64 for fp64 tensors).
 void sum_row_list_into(const std::vector<at::Tensor>& rows, const at::Tensor& dst, double scale);
 
+}  // namespace ops
 }  // namespace ddpx

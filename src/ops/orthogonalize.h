@@ -1,5 +1,5 @@
-// ATen layer for PowerSGD's compute: batched Gram-Schmidt over matrices packed in one buffer, and
-// the fused error-feedback update. CPU or CUDA by the tensors' device (CUDA on the current stream).
+// ATen layer over kernels/orthogonalize{,_cuda}.h: PowerSGD's batched Gram-Schmidt over matrices
+// packed in one buffer. CPU or CUDA by the buffer's device (CUDA on the current stream).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 namespace ddpx {
+namespace ops {
 
 // Where matrices live in a flat buffer: matrix k is rows[k] x cols[k], row-major, at offsets[k].
 // Build once per bucket layout: on CUDA the descriptors are uploaded once and reused.
@@ -39,15 +40,5 @@ class MatrixPack {
 // pass (one CUDA launch). 16-bit buffers are processed in fp32 and rounded back.
 void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon);
 
-// PowerSGD's products on 3-D batches [b, ., .] (b may be 1): P = M Q, Q = M^T P, M = P Q^T.
-// CPU fp32/fp64 use ddpx's one-pass skinny kernels (<ddpx/compression/lowrank.h>); other
-// devices and dtypes use at::bmm (one batched GEMM launch on CUDA). Outputs are written in place.
-void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P);
-void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tensor& Q);
-void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M);
-
-// err += input; input = err (the compensated gradient, which err keeps as the copy that the
-// final `err -= output` turns into the new residual). One fused pass on CUDA.
-void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err);
-
+}  // namespace ops
 }  // namespace ddpx

@@ -1,7 +1,7 @@
 // Model averagers: torch's model_averaging.averagers.PeriodicModelAverager and
 // hierarchical_model_averager.HierarchicalModelAverager, native.
 //
-//   auto averager = std::make_shared<ddpx::PeriodicModelAverager>(/*period=*/4,
+//   auto averager = std::make_shared<ddpx::optim::PeriodicModelAverager>(/*period=*/4,
 //                                                                  /*warmup_steps=*/100, pg);
 //   for (...) { loss.backward(); optimizer.step(); averager->average_parameters(params); }
 #pragma once
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <ddpx/averaging/average.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <ddpx/comm/average.h>
+#include <ddpx/common/process_group.h>
 
 namespace torch {
 namespace optim {
@@ -21,8 +21,7 @@ class OptimizerParamGroup;
 }  // namespace torch
 
 namespace ddpx {
-
-using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+namespace optim {
 
 // Base class: a step counter and the overall process group.
 class ModelAverager {
@@ -106,5 +105,12 @@ class HierarchicalModelAverager final : public ModelAverager {
   std::vector<std::pair<int64_t, ProcessGroupPtr>> period_groups_;
   int64_t warmup_steps_;
 };
+
+}  // namespace optim
+
+// The names these classes have had since they were first public.
+using optim::HierarchicalModelAverager;
+using optim::ModelAverager;
+using optim::PeriodicModelAverager;
 
 }  // namespace ddpx

@@ -1,4 +1,5 @@
-#include <ddpx/hooks/exchange.h>
+// The hooks' reduction primitives. See src/comm/exchange.h.
+#include "comm/exchange.h"
 
 #include <map>
 #include <mutex>
@@ -6,11 +7,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <ddpx/common/compat.h>
-#include <ddpx/compression/cast.h>
+#include "ops/cast.h"
 
 namespace ddpx {
-namespace hooks {
+namespace comm {
+
+using ops::scaled_cast_into;
+using ops::sum_row_list_into;
+using ops::sum_rows_into;
 
 namespace {
 
@@ -58,47 +62,14 @@ class StagingPool {
 
 }  // namespace
 
-ExchangeMode parse_exchange_mode(const std::string& name) {
-  if (name == "auto") return ExchangeMode::kAuto;
-  if (name == "allreduce") return ExchangeMode::kAllreduce;
-  if (name == "allgather") return ExchangeMode::kAllgather;
-  TORCH_CHECK(false, "exchange must be one of 'auto', 'allreduce', 'allgather', got '", name, "'");
-}
-
-const char* exchange_mode_name(ExchangeMode mode) {
-  switch (mode) {
-    case ExchangeMode::kAuto:
-      return "auto";
-    case ExchangeMode::kAllreduce:
-      return "allreduce";
-    case ExchangeMode::kAllgather:
-      return "allgather";
-  }
-  TORCH_CHECK(false, "invalid ExchangeMode ", static_cast<int>(mode));
-}
-
-ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
-                                   at::ScalarType wire_dtype, const c10::Device& device) {
-  if (mode != ExchangeMode::kAuto) return mode;
-  const bool is16 = c10::elementSize(wire_dtype) == 2;
-  if (is16 && (device.is_cpu() || compat::backend_name(pg) == "gloo")) {
-    return ExchangeMode::kAllgather;
-  }
-  return ExchangeMode::kAllreduce;
-}
-
-ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
-                                   const at::Tensor& values) {
-  return resolve_exchange_mode(mode, pg, values.scalar_type(), values.device());
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
                                                  const at::Tensor& values, const at::Tensor& out,
                                                  double scale, ExchangeMode mode) {
   TORCH_INTERNAL_ASSERT(pg);
   TORCH_INTERNAL_ASSERT(values.is_contiguous() && out.is_contiguous());
   TORCH_INTERNAL_ASSERT(values.numel() == out.numel());
-  const auto resolved = resolve_exchange_mode(mode, *pg, values);
+  const auto resolved =
+      resolve_exchange_mode(mode, *pg, values.scalar_type(), values.device());
 
   if (resolved == ExchangeMode::kAllgather) {
     return cast_gather_sum_into(pg, values, values.scalar_type(), 1.0, out, scale);
@@ -116,7 +87,7 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const c10::intrusive_ptr<c10d::
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
-    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& src,
+    const ProcessGroupPtr& pg, const at::Tensor& src,
     at::ScalarType wire_dtype, double pre_scale, const at::Tensor& out, double post_scale) {
   TORCH_INTERNAL_ASSERT(pg && src.is_contiguous() && out.is_contiguous());
   TORCH_INTERNAL_ASSERT(src.numel() == out.numel());
@@ -188,14 +159,15 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(
-    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& tensor, ExchangeMode mode) {
+    const ProcessGroupPtr& pg, const at::Tensor& tensor, ExchangeMode mode) {
   const double inv_world = 1.0 / pg->getSize();
-  if (resolve_exchange_mode(mode, *pg, tensor) == ExchangeMode::kAllgather) {
+  if (resolve_exchange_mode(mode, *pg, tensor.scalar_type(), tensor.device()) ==
+      ExchangeMode::kAllgather) {
     return sum_into(pg, tensor, tensor, inv_world, ExchangeMode::kAllgather);
   }
   tensor.div_(pg->getSize());
   return sum_into(pg, tensor, tensor, 1.0, ExchangeMode::kAllreduce);
 }
 
-}  // namespace hooks
+}  // namespace comm
 }  // namespace ddpx

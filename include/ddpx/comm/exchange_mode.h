@@ -1,0 +1,56 @@
+// How values travel between ranks, and the one rule that decides it for 16-bit values.
+#pragma once
+
+#include <string>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <ddpx/common/process_group.h>
+
+namespace ddpx {
+namespace comm {
+
+// Whether `pg`'s backend should sum values of `dtype` on `device` itself. False for 16-bit
+// values (fp16, bf16) on CPU or on a Gloo group: Gloo sums fp16 element by element in scalar
+// code, and wrongly (gloo/types.h's float16::operator= skips an assignment when the new bits
+// equal the old bits read as an integer: 43712 + (-0.0530396) gives -0.0530396), and torch
+// 1.13's Gloo refuses bf16. Where it is false, ddpx sums 16-bit values itself in fp32: the hooks
+// gather them (ExchangeMode::kAllgather), parameter averaging reduces them as fp32. Every place
+// that decides how 16-bit values travel asks this function (there is no second copy of the rule).
+bool backend_sums_natively(const c10d::ProcessGroup& pg, at::ScalarType dtype,
+                           const c10::Device& device);
+
+// How the hooks' 16-bit values travel between ranks.
+enum class ExchangeMode {
+  // kAllgather where backend_sums_natively() is false, kAllreduce otherwise.
+  kAuto = 0,
+  // The backend's allreduce in the values' own dtype. Fast on NCCL; see backend_sums_natively()
+  // for why not on Gloo.
+  kAllreduce = 1,
+  // Gather every rank's raw 16-bit values (an equal-split all-to-all of this rank's values, into
+  // reused buffers), then sum the world_size rows locally in fp32 with vectorised code. Sends
+  // (world_size - 1) * numel * 2 bytes per rank: no more than an fp32 ring allreduce
+  // (2 * (world_size - 1) / world_size * numel * 4) up to 4 ranks, half of it on 2 ranks; and no
+  // 16-bit rounding of partial sums.
+  kAllgather = 2,
+};
+
+// Parses "auto" / "allreduce" / "allgather"; c10::Error naming the choices otherwise.
+ExchangeMode parse_exchange_mode(const std::string& name);
+const char* exchange_mode_name(ExchangeMode mode);
+
+// The mode kAuto resolves to for values of `wire_dtype` (the dtype that travels) on `device`,
+// exchanged over `pg`. Other modes are returned as they are.
+ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
+                                   at::ScalarType wire_dtype, const c10::Device& device);
+
+}  // namespace comm
+
+namespace hooks {
+// The names the hooks' headers have always used.
+using comm::ExchangeMode;
+using comm::exchange_mode_name;
+using comm::parse_exchange_mode;
+using comm::resolve_exchange_mode;
+}  // namespace hooks
+}  // namespace ddpx

@@ -1,0 +1,129 @@
+#include "ops/lowrank.h"
+
+#include <initializer_list>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+
+#include "kernels/lowrank.h"
+
+#include "ops/cuda_launch.h"
+
+#ifdef DDPX_WITH_CUDA
+#include "kernels/lowrank_cuda.h"
+#endif
+
+namespace ddpx {
+namespace ops {
+namespace {
+
+// ddpx's one-pass CPU kernels take contiguous fp32/fp64 tensors of one dtype; anything else goes
+// to at::bmm.
+bool use_cpu_kernels(std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    if (!t->device().is_cpu() || !t->is_contiguous() ||
+        (t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) ||
+        t->scalar_type() != (*ts.begin())->scalar_type()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void check_batch(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 3, "PowerSGD products: ", what, " must be 3-D [batch, rows, cols], got ",
+              t.sizes());
+}
+
+template <typename T>
+T* matrix(const at::Tensor& t, int64_t b) {
+  return t.data_ptr<T>() + b * t.size(1) * t.size(2);
+}
+
+// Runs kernel(M_b, P_b or Q_b, ...) for every matrix b of a batch, in the batch's dtype.
+template <typename F>
+void for_each_matrix(const at::Tensor& M, F&& kernel) {
+  AT_DISPATCH_FLOATING_TYPES(M.scalar_type(), "PowerSGD product", [&] {
+    for (int64_t b = 0; b < M.size(0); ++b) kernel(b, scalar_t{});
+  });
+}
+
+}  // namespace
+
+void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P) {
+  check_batch(M, "M");
+  check_batch(Q, "Q");
+  check_batch(P, "P");
+  if (!use_cpu_kernels({&M, &Q, &P})) {
+    at::Tensor out = P;
+    at::bmm_out(out, M, Q);
+    return;
+  }
+  const int64_t n = M.size(1), m = M.size(2), r = Q.size(2);
+  for_each_matrix(M, [&](int64_t b, auto tag) {
+    using T = decltype(tag);
+    kernels::lowrank_project_cpu(matrix<T>(M, b), n, m, matrix<T>(Q, b), r, matrix<T>(P, b));
+  });
+}
+
+void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tensor& Q) {
+  check_batch(M, "M");
+  check_batch(P, "P");
+  check_batch(Q, "Q");
+  if (!use_cpu_kernels({&M, &P, &Q})) {
+    at::Tensor out = Q;
+    at::bmm_out(out, M.transpose(1, 2), P);
+    return;
+  }
+  const int64_t n = M.size(1), m = M.size(2), r = P.size(2);
+  for_each_matrix(M, [&](int64_t b, auto tag) {
+    using T = decltype(tag);
+    kernels::lowrank_project_t_cpu(matrix<T>(M, b), n, m, matrix<T>(P, b), r, matrix<T>(Q, b));
+  });
+}
+
+void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M) {
+  check_batch(P, "P");
+  check_batch(Q, "Q");
+  check_batch(M, "M");
+  if (!use_cpu_kernels({&P, &Q, &M})) {
+    at::Tensor out = M;
+    at::bmm_out(out, P, Q.transpose(1, 2));
+    return;
+  }
+  const int64_t n = M.size(1), m = M.size(2), r = P.size(2);
+  for_each_matrix(M, [&](int64_t b, auto tag) {
+    using T = decltype(tag);
+    kernels::lowrank_reconstruct_cpu(matrix<T>(P, b), matrix<T>(Q, b), n, m, r, matrix<T>(M, b));
+  });
+}
+
+void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err) {
+  TORCH_CHECK(input.numel() == err.numel() && input.scalar_type() == err.scalar_type() &&
+                  input.device() == err.device(),
+              "error_feedback_apply_: input and error buffers must match");
+  const bool fused = input.is_contiguous() && err.is_contiguous() &&
+                     (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
+                     (input.device().is_cpu() || (kWithCuda && input.is_cuda()));
+  if (!fused) {
+    err.add_(input.view(err.sizes()));
+    input.copy_(err.view(input.sizes()));
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "error_feedback_apply_", [&] {
+    scalar_t* in = input.data_ptr<scalar_t>();
+    scalar_t* acc = err.data_ptr<scalar_t>();
+#ifdef DDPX_WITH_CUDA
+    if (input.is_cuda()) {
+      const CudaLaunch launch(input);
+      kernels::error_feedback_apply_cuda(in, acc, input.numel(), launch.stream());
+      return;
+    }
+#endif
+    kernels::error_feedback_apply_cpu(in, acc, input.numel());
+  });
+}
+
+}  // namespace ops
+}  // namespace ddpx

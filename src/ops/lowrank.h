@@ -1,0 +1,22 @@
+// ATen layer over kernels/lowrank{,_cuda}.h: PowerSGD's products with its rank-r factors and the
+// fused error-feedback update. CPU or CUDA by the tensors' device (CUDA on the current stream).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace ddpx {
+namespace ops {
+
+// PowerSGD's products on 3-D batches [b, ., .] (b may be 1): P = M Q, Q = M^T P, M = P Q^T.
+// CPU fp32/fp64 use ddpx's one-pass skinny kernels (kernels/lowrank.h); other devices and
+// dtypes use at::bmm (one batched GEMM launch on CUDA). Outputs are written in place.
+void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P);
+void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tensor& Q);
+void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M);
+
+// err += input; input = err (the compensated gradient, which err keeps as the copy that the
+// final `err -= output` turns into the new residual). One fused pass on CPU and CUDA.
+void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err);
+
+}  // namespace ops
+}  // namespace ddpx

@@ -1,0 +1,86 @@
+#include "ops/orthogonalize.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+
+#include "kernels/orthogonalize.h"
+
+#ifdef DDPX_WITH_CUDA
+#include "kernels/orthogonalize_cuda.h"
+#include "ops/cuda_launch.h"
+#endif
+
+namespace ddpx {
+namespace ops {
+
+MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
+                       std::vector<int64_t> cols, const at::Device& device)
+    : offsets_(std::move(offsets)), rows_(std::move(rows)), cols_(std::move(cols)) {
+  TORCH_INTERNAL_ASSERT(offsets_.size() == rows_.size() && rows_.size() == cols_.size());
+  for (size_t k = 0; k < rows_.size(); ++k) {
+    TORCH_CHECK(cols_[k] <= rows_[k], "MatrixPack: matrix ", k, " has more columns (", cols_[k],
+                ") than rows (", rows_[k], ")");
+    TORCH_CHECK(offsets_[k] >= 0 && rows_[k] >= 0 && cols_[k] >= 0, "MatrixPack: matrix ", k,
+                " has a negative offset or size");
+    extent_ = std::max(extent_, offsets_[k] + rows_[k] * cols_[k]);
+  }
+  if (device.is_cuda() && !offsets_.empty()) {
+    std::vector<int64_t> all(offsets_);
+    all.insert(all.end(), rows_.begin(), rows_.end());
+    all.insert(all.end(), cols_.begin(), cols_.end());
+    device_desc_ = at::tensor(all, at::kLong).view({3, count()}).to(device);
+  }
+}
+
+MatrixPack MatrixPack::back_to_back(std::vector<int64_t> rows, std::vector<int64_t> cols,
+                                    const at::Device& device, int64_t first) {
+  TORCH_CHECK(rows.size() == cols.size(), "MatrixPack: rows and cols must have the same length, "
+              "got ", rows.size(), " and ", cols.size());
+  std::vector<int64_t> offsets;
+  offsets.reserve(rows.size());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    offsets.push_back(first);
+    first += rows[k] * cols[k];
+  }
+  return MatrixPack(std::move(offsets), std::move(rows), std::move(cols), device);
+}
+
+void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "orthogonalize_: expected a contiguous 1-D buffer");
+  if (pack.count() == 0) return;
+  // An out-of-bounds write on the GPU would leave a sticky error in the CUDA context.
+  TORCH_CHECK(pack.extent() <= flat.numel(), "orthogonalize_: the matrices extend to element ",
+              pack.extent(), " but the buffer has ", flat.numel());
+  if (flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16) {
+    at::Tensor wide = flat.to(at::kFloat);
+    orthogonalize_(wide, pack, epsilon);
+    flat.copy_(wide);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "orthogonalize_", [&] {
+    const auto eps = static_cast<scalar_t>(epsilon);
+    if (flat.is_cuda()) {
+#ifdef DDPX_WITH_CUDA
+      const at::Tensor& d = pack.device_descriptors();
+      TORCH_CHECK(d.defined() && d.device() == flat.device(),
+                  "orthogonalize_: the MatrixPack was built for another device");
+      const int64_t* base = d.data_ptr<int64_t>();
+      const int64_t n = pack.count();
+      const CudaLaunch launch(flat);
+      kernels::orthogonalize_cuda(flat.data_ptr<scalar_t>(), base, base + n, base + 2 * n, n, eps,
+                                  launch.stream());
+#else
+      TORCH_CHECK(false, "orthogonalize_: ddpx was built without CUDA support");
+#endif
+      return;
+    }
+    kernels::orthogonalize_cpu(flat.data_ptr<scalar_t>(), pack.offsets().data(),
+                               pack.rows().data(), pack.cols().data(), pack.count(), eps);
+  });
+}
+
+}  // namespace ops
+}  // namespace ddpx

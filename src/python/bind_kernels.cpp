@@ -1,0 +1,54 @@
+// Bindings of the compression kernels' ATen layer, for the kernel tests and benchmarks
+// (tests/python/test_kernels.py, benchmarks/bench_kernels.py): not part of the hooks' API.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "bind_utils.h"
+#include "kernels/cast.h"
+#include "ops/cast.h"
+#include "ops/orthogonalize.h"
+
+namespace ddpx {
+namespace python {
+
+void bind_kernels(py::module& m) {
+  m.def(
+      "scaled_cast",
+      [](const at::Tensor& src, const py::object& dtype, double scale) {
+        const at::ScalarType st = to_dtype(dtype, "dtype");
+        py::gil_scoped_release no_gil;
+        return ops::scaled_cast(src, st, scale);
+      },
+      py::arg("src"), py::arg("dtype"), py::arg("scale") = 1.0,
+      "Returns (src * scale) cast to dtype, flattened (the compression kernel).");
+  m.def(
+      "sum_rows",
+      [](const at::Tensor& src, const py::object& dtype, double scale) {
+        const at::ScalarType st = to_dtype(dtype, "dtype");
+        py::gil_scoped_release no_gil;
+        TORCH_CHECK(src.dim() == 2, "sum_rows: src must be 2-D, got ", src.dim(), " dims");
+        at::Tensor out = at::empty({src.size(1)}, src.options().dtype(st));
+        ops::sum_rows_into(src.contiguous(), out, scale);
+        return out;
+      },
+      py::arg("src"), py::arg("dtype"), py::arg("scale") = 1.0,
+      "Returns scale * src.sum(0) in dtype, accumulated in fp32 (the decompression kernel).");
+  m.def(
+      "orthogonalize_",
+      [](const at::Tensor& flat, const std::vector<int64_t>& rows, const std::vector<int64_t>& cols,
+         double epsilon) {
+        py::gil_scoped_release no_gil;
+        ops::orthogonalize_(flat, ops::MatrixPack::back_to_back(rows, cols, flat.device()),
+                            epsilon);
+      },
+      py::arg("flat"), py::arg("rows"), py::arg("cols"), py::arg("epsilon") = 0.0,
+      "Orthonormalises in place the columns of the row-major rows[k] x cols[k] matrices stored "
+      "back to back in `flat` (PowerSGD's batched Gram-Schmidt kernel; CPU or CUDA).");
+  m.def("cpu_has_fast_half", &kernels::cpu_has_fast_half, "True when the CPU kernels use F16C.");
+}
+
+}  // namespace python
+}  // namespace ddpx
