@@ -46,6 +46,7 @@
 
 namespace {
 
+using ddpx_test::bitwise_equal;
 using ddpx_test::ProcessGroupPtr;
 using ddpx_test::value_error;
 using ::testing::AllOf;
@@ -120,19 +121,6 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return ::testing::AssertionSuccess();
 }
 
-// Bitwise equality (NaN-free tensors of one dtype).
-::testing::AssertionResult bit_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) {
-    return ::testing::AssertionFailure() << "dtype/shape differ";
-  }
-  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
-  if (std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.numel() * ac.element_size()) != 0) {
-    return ::testing::AssertionFailure()
-           << "max |a - b| = "
-           << (ac.to(at::kDouble) - bc.to(at::kDouble)).abs().max().item<double>();
-  }
-  return ::testing::AssertionSuccess();
-}
 
 
 // Collects TORCH_WARN messages issued on this thread while alive (c10's handler is
@@ -513,7 +501,7 @@ TEST(AverageParameters, NullGroupEmptyListAndBadOptions) {
   at::Tensor t = at::arange(5, at::kFloat);
   const at::Tensor before = t.clone();
   const ddpx::AverageStats st = ddpx::average_parameters({t}, ProcessGroupPtr());
-  EXPECT_TRUE(bit_equal(t, before));
+  EXPECT_TRUE(bitwise_equal(t, before));
   EXPECT_EQ(st.collectives, 0);
   EXPECT_EQ(st.staging_bytes, 0);
 
@@ -818,7 +806,7 @@ TEST(PostLocalSGDHook, GlobalThenSubgroupMean) {
         if (s < 2) {
           const auto want = run_step(reference, s, rank, 2, dtype);
           for (int b = 0; b < 2; ++b) {
-            EXPECT_TRUE(bit_equal(got[b], want[b]))
+            EXPECT_TRUE(bitwise_equal(got[b], want[b]))
                 << "rank " << rank << " step " << s << " bucket " << b << ": not allreduce_hook's";
           }
         } else {
@@ -858,7 +846,7 @@ TEST(PostLocalSGDHook, NoPostLocalAllreduceLeavesTheBuffer) {
       got = run_step(hook, s, rank, 2, at::kFloat, &buffers);
       for (int b = 0; b < 2; ++b) {
         EXPECT_TRUE(got[b].is_same(buffers[b]) || got[b].data_ptr() == buffers[b].data_ptr());
-        EXPECT_TRUE(bit_equal(got[b], grad_input(s, b, rank, at::kFloat)))
+        EXPECT_TRUE(bitwise_equal(got[b], grad_input(s, b, rank, at::kFloat)))
             << "step " << s << ": the local phase changed the gradient";
       }
       EXPECT_EQ(state->iter(), 1);
@@ -1129,7 +1117,7 @@ TEST(PostLocalSGDOptimizer, SaveLoadRoundTrip) {
         x->first.mutable_grad() = grad(s);
         x->second->step();
       }
-      EXPECT_TRUE(bit_equal(a.first.detach(), b.first.detach()))
+      EXPECT_TRUE(bitwise_equal(a.first.detach(), b.first.detach()))
           << "rank " << rank << " step " << s;
     }
     EXPECT_EQ(b.second->averager()->step(), 6);

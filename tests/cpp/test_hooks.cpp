@@ -28,6 +28,8 @@
 
 namespace {
 
+using ddpx_test::bitwise_equal;
+
 using ddpx::hooks::CommHookPtr;
 using ddpx::hooks::ExchangeMode;
 using ddpx_test::ProcessGroupPtr;
@@ -168,11 +170,6 @@ Expected expected_mean(uint64_t test_seed, int world, int64_t n, at::ScalarType 
   return e;
 }
 
-bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.numel() != b.numel()) return false;
-  const at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
-}
 
 // Checks `got` against `want` within factor * S_i per element; reports the worst element.
 void expect_close(const at::Tensor& got, const Expected& want, double factor,

@@ -18,6 +18,7 @@
 #include "kernels/orthogonalize.h"
 #include "ops/lowrank.h"
 #include "ops/orthogonalize.h"
+#include "tensor_utils.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -42,6 +43,8 @@
 #endif
 
 namespace {
+
+using ddpx_test::bitwise_equal;
 
 namespace k = ddpx::kernels;
 using ::testing::HasSubstr;
@@ -410,11 +413,6 @@ at::Tensor flat_tensor(const std::vector<double>& values, at::ScalarType dtype) 
   return t.to(dtype);
 }
 
-bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.numel() != b.numel()) return false;
-  const at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
-}
 
 // orthogonalize_ is the kernel on fp32/fp64 buffers, and fp32 arithmetic rounded back for
 // 16-bit buffers: bit for bit.

@@ -43,6 +43,8 @@
 
 namespace {
 
+using ddpx_test::bitwise_equal;
+
 using ddpx::hooks::CommHook;
 using ddpx::hooks::CommHookPtr;
 using ddpx::hooks::PowerSGDOptions;
@@ -115,12 +117,6 @@ double rel_err(const at::Tensor& got, const at::Tensor& want) {
   return (g - w).norm().item<double>() / w.norm().item<double>();
 }
 
-bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() || !b.defined()) return false;
-  if (a.scalar_type() != b.scalar_type() || a.numel() != b.numel()) return false;
-  const at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
-}
 
 // Q of torch's QR with diag(R) > 0: what Gram-Schmidt computes, in fp64.
 at::Tensor orth(const at::Tensor& a) {

@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include "tensor_utils.h"
+
 namespace ddpx_test {
 
 using ddpx::ProcessGroupPtr;

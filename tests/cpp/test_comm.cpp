@@ -1,0 +1,201 @@
+// Tests of the collective layer (ddpx::comm) on real Gloo process groups (1 to 4 ranks as threads
+// over one in-memory store, see test_utils.h), beyond what average_parameters' tests cover:
+//   * run_bucketed with Broadcast: every dtype (integers too: no promotion), in place, staged,
+//     non-contiguous and larger-than-a-bucket tensors, any root; bit for bit;
+//   * DeferredCollective: the issue order it promises, and failures routed to their own bucket;
+//   * compat::make_reducer: DDP's C++ Reducer built through ddpx's factory, with a ddpx hook,
+//     averages gradients (the base of a C++ DistributedDataParallel).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <ddpx/comm/bucketed.h>
+#include <ddpx/common/compat.h>
+#include <ddpx/hooks.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/deferred.h"
+#include "test_utils.h"
+
+namespace {
+
+using ddpx::comm::Broadcast;
+using ddpx::comm::BucketOptions;
+using ddpx::comm::run_bucketed;
+using ddpx_test::bitwise_equal;
+using ddpx_test::ProcessGroupPtr;
+using ::testing::HasSubstr;
+
+// Rank `rank`'s tensors: every dtype, shapes that take each path of the engine with a bucket of
+// 64 bytes (in place: contiguous and >= a quarter bucket; staged: small or of another dtype;
+// chunked: larger than a bucket; transposes: dense non-contiguous; a strided slice: non-dense).
+std::vector<at::Tensor> broadcast_inputs(int rank) {
+  at::manual_seed(1000 + rank);
+  std::vector<at::Tensor> t;
+  t.push_back(at::randn({40}, at::kFloat));                        // in place, > a bucket
+  t.push_back(at::randn({3}, at::kFloat));                         // staged
+  t.push_back(at::randn({5, 7}, at::kDouble).t());                 // dense transpose
+  t.push_back(at::randn({50}, at::kHalf));                         // fp16 (no sum: own dtype)
+  t.push_back(at::randn({9}, at::kBFloat16));                      // bf16
+  t.push_back(at::randint(-1000, 1000, {33}, at::kLong));          // integers travel exactly
+  t.push_back(at::randint(0, 100, {6}, at::kInt));
+  t.push_back(at::randn({64, 3}, at::kFloat).slice(1, 0, 3, 2));   // strided, non-dense
+  t.push_back(at::randn({0}, at::kFloat));                         // empty
+  return t;
+}
+
+TEST(RunBucketed, BroadcastFromEveryRootBitForBit) {
+  for (int world : {2, 3, 4}) {
+    for (int root = 0; root < world; ++root) {
+      std::vector<std::vector<at::Tensor>> before(world), after(world);
+      ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+        std::vector<at::Tensor> mine = broadcast_inputs(rank);
+        for (const auto& t : mine) before[rank].push_back(t.clone());
+        std::vector<void*> storage;
+        for (const auto& t : mine) storage.push_back(t.data_ptr());
+        BucketOptions options;
+        options.bucket_cap_bytes = 64;
+        const auto stats = run_bucketed(mine, pg, Broadcast(root), options);
+        EXPECT_EQ(stats.tensors, static_cast<int64_t>(mine.size()));
+        EXPECT_GT(stats.inplace_tensors, 0);
+        EXPECT_GT(stats.staged_tensors, 0);
+        for (size_t i = 0; i < mine.size(); ++i) {
+          EXPECT_EQ(mine[i].data_ptr(), storage[i]) << "tensor " << i << " was rebound";
+        }
+        after[rank] = mine;
+      });
+      for (int r = 0; r < world; ++r) {
+        for (size_t i = 0; i < after[r].size(); ++i) {
+          EXPECT_TRUE(bitwise_equal(after[r][i], before[root][i]))
+              << "world " << world << " root " << root << " rank " << r << " tensor " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(RunBucketed, BadArguments) {
+  ddpx_test::run_ranks(2, [&](int, const ProcessGroupPtr& pg) {
+    std::vector<at::Tensor> t{at::ones({4})};
+    EXPECT_THAT(ddpx_test::error_message([&] { run_bucketed(t, pg, Broadcast(2)); }),
+                HasSubstr("root 2 is not a rank of a group of 2"));
+    EXPECT_THAT(ddpx_test::error_message([&] { Broadcast(-1); }), HasSubstr("root"));
+    BucketOptions zero;
+    zero.bucket_cap_bytes = 0;
+    EXPECT_THAT(ddpx_test::error_message([&] { run_bucketed(t, pg, Broadcast(0), zero); }),
+                HasSubstr("bucket_cap_bytes must be positive"));
+    std::vector<at::Tensor> undefined{at::Tensor()};
+    EXPECT_THAT(ddpx_test::error_message([&] { run_bucketed(undefined, pg, Broadcast(0)); }),
+                HasSubstr("tensor 0 is undefined"));
+  });
+  // A null group: not a member, nothing happens.
+  at::Tensor t = at::ones({4});
+  EXPECT_EQ(run_bucketed({t}, ProcessGroupPtr(), Broadcast(0)).tensors, 0);
+}
+
+// ---- DeferredCollective -------------------------------------------------------------------------
+
+TEST(DeferredCollective, IssuesEachStepAtTheNextSubmitAndTheLastAtOnce) {
+  ddpx::comm::DeferredCollective deferred;
+  std::vector<std::string> log;
+  auto step = [&](const std::string& name) {
+    return ddpx::comm::DeferredCollective::Step{
+        [&log, name] { log.push_back("2(" + name + ")"); },
+        [&log, name](std::exception_ptr) { log.push_back("fail(" + name + ")"); }};
+  };
+  // What a hook does per bucket: its first collective, then submit its second.
+  for (const char* b : {"a", "b", "c"}) {
+    log.push_back(std::string("1(") + b + ")");
+    deferred.submit(step(b), /*last=*/std::string(b) == "c");
+    EXPECT_EQ(deferred.pending(), std::string(b) != "c");
+  }
+  EXPECT_THAT(log, ::testing::ElementsAre("1(a)", "1(b)", "2(a)", "1(c)", "2(b)", "2(c)"));
+  log.clear();
+  deferred.submit(step("x"), false);
+  deferred.flush();  // another path of runHook: the deferred step goes first
+  deferred.flush();  // nothing left
+  EXPECT_THAT(log, ::testing::ElementsAre("2(x)"));
+  EXPECT_FALSE(deferred.pending());
+}
+
+TEST(DeferredCollective, AFailingStepGoesToItsOwnBucket) {
+  ddpx::comm::DeferredCollective deferred;
+  std::string failed;
+  deferred.submit({[] { throw std::runtime_error("round one failed"); },
+                   [&](std::exception_ptr e) {
+                     try {
+                       std::rethrow_exception(e);
+                     } catch (const std::exception& ex) {
+                       failed = ex.what();
+                     }
+                   }},
+                  false);
+  bool next_ran = false;
+  // The failure surfaces when the next bucket issues it, to the failed step's handler only.
+  deferred.submit({[&] { next_ran = true; }, [](std::exception_ptr) { FAIL(); }}, true);
+  EXPECT_EQ(failed, "round one failed");
+  EXPECT_TRUE(next_ran);
+  deferred.submit({[] {}, [](std::exception_ptr) {}}, false);
+  deferred.clear();
+  EXPECT_FALSE(deferred.pending());
+}
+
+// ---- compat::make_reducer ----------------------------------------------------------------------
+
+// Two ranks train y = W x one step through DDP's C++ Reducer made by ddpx's factory, with ddpx's
+// allreduce hook registered on it: each rank's gradient is then the mean of both ranks' own
+// gradients, bit for bit (x / 2 + y / 2 on two ranks is exact).
+TEST(Reducer, MadeByTheCompatFactoryAveragesGradientsWithAHook) {
+  const int world = 2;
+  std::vector<at::Tensor> local_grad(world), ddp_grad(world);
+  // A private world: the Reducer's own collectives must not interleave with other tests'.
+  const auto pgs = ddpx_test::make_gloo_world(world);
+  ddpx_test::run_ranks(pgs, [&](int rank, const ProcessGroupPtr& pg) {
+    at::manual_seed(7);  // the same initial weights on every rank
+    at::Tensor w = at::randn({4, 3}, at::kFloat).requires_grad_(true);
+    at::Tensor b = at::randn({4}, at::kFloat).requires_grad_(true);
+    at::manual_seed(100 + rank);  // different data per rank
+    const at::Tensor x = at::randn({5, 3}, at::kFloat);
+    auto loss_of = [&] { return (at::matmul(x, w.t()) + b).pow(2).sum(); };
+    // The rank's own gradient, without DDP.
+    {
+      at::Tensor loss = loss_of();
+      torch::autograd::backward({loss});
+      local_grad[rank] = at::cat({w.grad().reshape({-1}), b.grad().reshape({-1})}).clone();
+      w.mutable_grad() = at::Tensor();
+      b.mutable_grad() = at::Tensor();
+    }
+    ddpx::compat::ReducerArgs args;
+    args.params = {w, b};
+    args.bucket_indices = {{0, 1}};
+    args.per_bucket_size_limits = {25 * 1024 * 1024};
+    args.process_group = pg;
+    args.expect_sparse_gradients = {false, false};
+    auto reducer = ddpx::compat::make_reducer(std::move(args));
+    reducer->register_comm_hook(
+        std::make_unique<ddpx::hooks::SharedCommHook>(ddpx::hooks::allreduce_hook(pg)));
+    reducer->prepare_for_forward();
+    at::Tensor loss = loss_of();
+    reducer->prepare_for_backward({loss});
+    torch::autograd::backward({loss});
+    ddp_grad[rank] = at::cat({w.grad().reshape({-1}), b.grad().reshape({-1})}).clone();
+  });
+  const at::Tensor mean = local_grad[0] / 2 + local_grad[1] / 2;
+  for (int r = 0; r < world; ++r) {
+    ASSERT_TRUE(ddp_grad[r].defined()) << "rank " << r;
+    EXPECT_TRUE(bitwise_equal(ddp_grad[r], mean)) << "rank " << r;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleMock(&argc, argv);
+  at::set_num_threads(1);  // rank threads are the parallelism here
+  return RUN_ALL_TESTS();
+}
