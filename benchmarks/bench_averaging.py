@@ -44,13 +44,15 @@ same memory layout. On CUDA (--device cuda): torch.cuda.reset_peak_memory_stats(
 max_memory_allocated() - memory_allocated(before) (the caching allocator's view; NCCL's own
 buffers are not counted).
 
-Usage (CPU, 2 Gloo ranks; ddpx from the CMake build tree):
+Usage (CPU, 2 Gloo ranks; ddpx from the CMake build tree). The tables go to stdout; the raw
+results (JSON) only with --json (benchmarks/results/ is git-ignored; --json auto names a file
+there):
     PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_averaging.py \\
-        --json benchmarks/results/cpu/averaging_<date>_run1.json
+        --json benchmarks/results/cpu/averaging_run1.json
 GPU (NCCL, one rank per GPU; on one GPU: world size 1, or --backend gloo for 2 ranks):
     PYTHONPATH=build-gpu/python python3 benchmarks/bench_averaging.py --device cuda --json ...
-Summary over runs (median [min, max]):
-    python3 benchmarks/bench_averaging.py --summarize benchmarks/results/cpu/averaging_*.json
+Summary over runs (median [min, max]) of the files given:
+    python3 benchmarks/bench_averaging.py --summarize benchmarks/results/cpu/averaging_run*.json
 """
 import argparse
 import datetime
@@ -422,8 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="", help="subset of the config names")
     p.add_argument("--torch-only", action="store_true", help="skip the ddpx configs")
     p.add_argument("--no-verify", action="store_true")
-    p.add_argument("--json", default="auto", help="output file; auto: benchmarks/results/"
-                   "<cpu|gpu>/averaging_<UTC date-time>.json; '' for none")
+    p.add_argument("--json", default="", help="write the raw results (JSON) to this file; "
+                   "auto: benchmarks/results/<cpu|gpu>/averaging_<UTC date-time>.json "
+                   "(git-ignored); empty: write none")
     p.add_argument("--summarize", nargs="+", metavar="JSON")
     args = p.parse_args(argv)
     if args.summarize:

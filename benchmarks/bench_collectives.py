@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--sizes", default="1,6.5,8", help="Mi elements per rank (6.5M = a 25 MB bucket)")
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--json", default="")
+    p.add_argument("--json", default="", help="write the raw results (JSON) to this file; "
+                   "default: none")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

@@ -345,7 +345,8 @@ def main(argv=None) -> int:
                         "on cuda)")
     p.add_argument("--configs", default="", help=f"subset of: {','.join(CONFIGS)}")
     p.add_argument("--no-verify", action="store_true")
-    p.add_argument("--json", default="", help="write all results to this file")
+    p.add_argument("--json", default="", help="write the raw results (JSON) to this file; "
+                   "empty: write none")
     args = p.parse_args(argv)
 
     cuda = bc.model_defaults(args)

@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=None, help="default 7 (cpu) / 20 (cuda)")
     p.add_argument("--inner", type=int, default=20, help="launches per CUDA-event timing")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--json", default="")
+    p.add_argument("--json", default="", help="write the raw results (JSON) to this file; "
+                   "empty: write none")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes.split(",")]
     args.dtypes = args.dtypes.split(",")

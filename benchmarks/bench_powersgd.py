@@ -618,7 +618,8 @@ def main(argv=None) -> int:
     p.add_argument("--race-steps", type=int, default=20, help="compressed steps per race job")
     p.add_argument("--race-timeout", type=float, default=40.0, help="s per race job")
     p.add_argument("--race-bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--json", default="", help="write all results to this file")
+    p.add_argument("--json", default="", help="write the raw results (JSON) to this file; "
+                   "empty: write none")
     p.add_argument("--summarize", nargs="+", metavar="JSON",
                    help="print median [min, max] over these --json files and exit")
     args = p.parse_args(argv)
