@@ -7,6 +7,7 @@ Environment: DDPX_CUDA=AUTO|ON|OFF (default AUTO), DDPX_BUILD_DIR (default build
 CMAKE_BUILD_PARALLEL_LEVEL (default: number of CPUs).
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,15 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+    """The one version number, from python/ddpx/_version.py (CMakeLists.txt reads it too)."""
+    with open(os.path.join(ROOT, "python", "ddpx", "_version.py")) as f:
+        match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
+    if match is None:
+        raise RuntimeError("ddpx: no __version__ in python/ddpx/_version.py")
+    return match.group(1)
 
 
 class CMakeExtension(Extension):
@@ -52,7 +62,7 @@ class CMakeBuild(build_ext):
 
 setup(
     name="ddpx",
-    version="0.1.0",
+    version=_version(),
     description="Native C++/CUDA DDP communication hooks for torch.distributed",
     license="BSD-3-Clause",
     packages=["ddpx"],

@@ -36,7 +36,7 @@ DDPX_WHEELHOUSE=${DDPX_WHEELHOUSE:-$HOME/.cache/ddpx/wheels}
 # Build tools, the C++ test dependencies (GoogleTest, Google Benchmark, Gloo's headers for the
 # C++ tests that build ProcessGroupGloo directly) and python3-venv.
 DDPX_APT_PACKAGES=(
-  cmake ninja-build g++ ccache git
+  cmake ninja-build g++ ccache git clang-format
   libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3-venv python3-pip
 )

@@ -16,7 +16,7 @@ from .hooks import register_comm_hook
 from .model_averaging import HierarchicalModelAverager, PeriodicModelAverager
 from .optim import PostLocalSGDOptimizer
 
-__version__ = "0.1.0"
+from ._version import __version__
 __all__ = [
     "hooks",
     "model_averaging",

@@ -323,7 +323,9 @@ c10::intrusive_ptr<c10d::Work> Broadcast::start(c10d::ProcessGroup& pg,
                                                 const at::Tensor& values) const {
   TORCH_CHECK_VALUE(root_ < pg.getSize(), "Broadcast: root ", root_, " is not a rank of a group of ",
                     pg.getSize());
-  std::vector<at::Tensor> tensors{values};
+  // As raw bytes: bit for bit whatever the dtype, and every backend broadcasts bytes (torch
+  // 1.13's Gloo has no bfloat16).
+  std::vector<at::Tensor> tensors{values.view(at::kByte)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root_;
   return pg.broadcast(tensors, opts);

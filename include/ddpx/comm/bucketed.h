@@ -63,7 +63,8 @@ class AllreduceMean final : public BucketCollective {
                                        const at::Tensor& values) const override;
 };
 
-// Every rank's tensors take the values of group rank `root`'s, bit for bit, whatever the dtype.
+// Every rank's tensors take the values of group rank `root`'s, bit for bit, whatever the dtype
+// (their bytes travel: every backend broadcasts bytes).
 class Broadcast final : public BucketCollective {
  public:
   explicit Broadcast(int64_t root);
