@@ -41,62 +41,54 @@ T* matrix(const at::Tensor& t, int64_t b) {
   return t.data_ptr<T>() + b * t.size(1) * t.size(2);
 }
 
-// Runs kernel(M_b, P_b or Q_b, ...) for every matrix b of a batch, in the batch's dtype.
-template <typename F>
-void for_each_matrix(const at::Tensor& M, F&& kernel) {
-  AT_DISPATCH_FLOATING_TYPES(M.scalar_type(), "PowerSGD product", [&] {
-    for (int64_t b = 0; b < M.size(0); ++b) kernel(b, scalar_t{});
+// The path the three products share: check the 3-D batches, then either ddpx's one-pass CPU
+// kernel per batch item (kernel(b, scalar_t{})) or ATen's batched GEMM into `out` (bmm(out)).
+template <typename Bmm, typename Kernel>
+void product(const at::Tensor& x, const char* x_name, const at::Tensor& y, const char* y_name,
+             const at::Tensor& out, const char* out_name, Bmm&& bmm, Kernel&& kernel) {
+  check_batch(x, x_name);
+  check_batch(y, y_name);
+  check_batch(out, out_name);
+  if (!use_cpu_kernels({&x, &y, &out})) {
+    at::Tensor result = out;
+    bmm(result);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "PowerSGD product", [&] {
+    for (int64_t b = 0; b < out.size(0); ++b) kernel(b, scalar_t{});
   });
 }
 
 }  // namespace
 
 void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P) {
-  check_batch(M, "M");
-  check_batch(Q, "Q");
-  check_batch(P, "P");
-  if (!use_cpu_kernels({&M, &Q, &P})) {
-    at::Tensor out = P;
-    at::bmm_out(out, M, Q);
-    return;
-  }
-  const int64_t n = M.size(1), m = M.size(2), r = Q.size(2);
-  for_each_matrix(M, [&](int64_t b, auto tag) {
-    using T = decltype(tag);
-    kernels::lowrank_project_cpu(matrix<T>(M, b), n, m, matrix<T>(Q, b), r, matrix<T>(P, b));
-  });
+  product(
+      M, "M", Q, "Q", P, "P", [&](at::Tensor& out) { at::bmm_out(out, M, Q); },
+      [&](int64_t b, auto tag) {
+        using T = decltype(tag);
+        kernels::lowrank_project_cpu(matrix<T>(M, b), M.size(1), M.size(2), matrix<T>(Q, b),
+                                     Q.size(2), matrix<T>(P, b));
+      });
 }
 
 void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tensor& Q) {
-  check_batch(M, "M");
-  check_batch(P, "P");
-  check_batch(Q, "Q");
-  if (!use_cpu_kernels({&M, &P, &Q})) {
-    at::Tensor out = Q;
-    at::bmm_out(out, M.transpose(1, 2), P);
-    return;
-  }
-  const int64_t n = M.size(1), m = M.size(2), r = P.size(2);
-  for_each_matrix(M, [&](int64_t b, auto tag) {
-    using T = decltype(tag);
-    kernels::lowrank_project_t_cpu(matrix<T>(M, b), n, m, matrix<T>(P, b), r, matrix<T>(Q, b));
-  });
+  product(
+      M, "M", P, "P", Q, "Q", [&](at::Tensor& out) { at::bmm_out(out, M.transpose(1, 2), P); },
+      [&](int64_t b, auto tag) {
+        using T = decltype(tag);
+        kernels::lowrank_project_t_cpu(matrix<T>(M, b), M.size(1), M.size(2), matrix<T>(P, b),
+                                       P.size(2), matrix<T>(Q, b));
+      });
 }
 
 void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M) {
-  check_batch(P, "P");
-  check_batch(Q, "Q");
-  check_batch(M, "M");
-  if (!use_cpu_kernels({&P, &Q, &M})) {
-    at::Tensor out = M;
-    at::bmm_out(out, P, Q.transpose(1, 2));
-    return;
-  }
-  const int64_t n = M.size(1), m = M.size(2), r = P.size(2);
-  for_each_matrix(M, [&](int64_t b, auto tag) {
-    using T = decltype(tag);
-    kernels::lowrank_reconstruct_cpu(matrix<T>(P, b), matrix<T>(Q, b), n, m, r, matrix<T>(M, b));
-  });
+  product(
+      P, "P", Q, "Q", M, "M", [&](at::Tensor& out) { at::bmm_out(out, P, Q.transpose(1, 2)); },
+      [&](int64_t b, auto tag) {
+        using T = decltype(tag);
+        kernels::lowrank_reconstruct_cpu(matrix<T>(P, b), matrix<T>(Q, b), M.size(1), M.size(2),
+                                         P.size(2), matrix<T>(M, b));
+      });
 }
 
 void error_feedback_apply_(const at::Tensor& input, const at::Tensor& err) {

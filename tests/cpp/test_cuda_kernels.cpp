@@ -1,4 +1,4 @@
-// Tests of the CUDA kernels in <ddpx/compression/kernels_cuda.h> against the CPU kernels, bit for
+// Tests of the CUDA kernels in src/kernels/cast_cuda.h against the CPU kernels, bit for
 // bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical NaNs).
 // Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-// Tests of the torch-free CPU kernels in <ddpx/compression/kernels.h>.
+// Tests of the torch-free CPU kernels in src/kernels/cast.h.
 //
 // References: c10::Half / c10::BFloat16 (torch's own conversions) for the scalar conversions,
 // plus an independent closed-form decoder; a naive element-by-element loop built on c10 types
