@@ -84,7 +84,7 @@ PAIRS = [
 
 def available_configs(backend: str, device: torch.device) -> List[str]:
     names = list(CONFIGS)
-    from ddpx._torch_compat import TORCH_BF16_HOOKS_ON_GLOO
+    from ddpx._compat import TORCH_BF16_HOOKS_ON_GLOO
     if not ((backend == "nccl" and device.type == "cuda") or
             (backend == "gloo" and TORCH_BF16_HOOKS_ON_GLOO)):
         # torch refuses it without a CUDA build with NCCL >= 2.10, and 1.13's Gloo has no bf16;

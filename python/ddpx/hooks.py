@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _compat
 from ._groups import resolve_group
 from ._loader import _C
 
@@ -266,9 +267,6 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
     if isinstance(state, PostLocalSGDState):
         state._tag(ddp_model.parameters())
         state._params_tagged = True
-    if hasattr(ddp_model, "logger") and ddp_model.logger is not None:
-        ddp_model.logger._set_comm_hook_name("ddpx." + hook._ddpx_name)
-    _C.register_comm_hook(ddp_model.reducer, native)
-    # torch 2.x's DDP keeps (hook, state) pairs for its own bookkeeping; keep it truthful.
-    if isinstance(getattr(ddp_model, "_comm_hooks", None), list):
-        ddp_model._comm_hooks.append((hook, state))
+    _compat.set_comm_hook_name(ddp_model, "ddpx." + hook._ddpx_name)
+    _C.register_comm_hook(_compat.reducer_of(ddp_model), native)
+    _compat.record_comm_hook(ddp_model, hook, state)
