@@ -55,7 +55,7 @@ setup(
     version="0.1.0",
     description="Native C++/CUDA DDP communication hooks for torch.distributed",
     license="BSD-3-Clause",
-    packages=["ddpx"],
+    packages=["ddpx", "ddpx.hooks"],
     package_dir={"": "python"},
     ext_modules=[CMakeExtension("ddpx._C")],
     cmdclass={"build_ext": CMakeBuild},

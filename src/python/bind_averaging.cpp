@@ -1,5 +1,6 @@
 // Bindings of post-local SGD: PostLocalSGDState and post_localSGD_hook, average_parameters and
-// the model averagers. The Python classes in ddpx/hooks.py and ddpx/model_averaging.py wrap them.
+// the model averagers. The Python classes in ddpx/hooks/post_localSGD_hook.py and
+// ddpx/model_averaging.py wrap them.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
