@@ -24,7 +24,7 @@ around a hook included):
 """
 import atexit
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,8 @@ HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 # buckets and iterations. The state is kept in the value so its id() stays unique.
 _native_cache: Dict[Tuple[int, int], Tuple[Any, Any, "_C.CommHook"]] = {}
 
-# The names of the hooks made for each state class, for the TypeError's wording.
-_hooks_of_state: Dict[type, List[str]] = {}
+# The names of the hooks made for each state type, for the TypeError's wording.
+_hooks_of_state: Dict[type, Set[str]] = {}
 
 
 @atexit.register
@@ -94,7 +94,7 @@ def make_hook(name: str, build: Callable[[Any], "_C.CommHook"], doc: str,
     hook.__doc__ = doc
     hook._ddpx_factory = lambda state: build(native_state(state, name, state_type))  # type: ignore[attr-defined]
     hook._ddpx_name = name  # type: ignore[attr-defined]
-    _hooks_of_state.setdefault(state_type, []).append(name)
+    _hooks_of_state.setdefault(state_type, set()).add(name)
     return hook
 
 
