@@ -65,7 +65,7 @@ setup(
     version=_version(),
     description="Native C++/CUDA DDP communication hooks for torch.distributed",
     license="BSD-3-Clause",
-    packages=["ddpx"],
+    packages=["ddpx", "ddpx.hooks"],
     package_dir={"": "python"},
     ext_modules=[CMakeExtension("ddpx._C")],
     cmdclass={"build_ext": CMakeBuild},

@@ -54,7 +54,6 @@ GPU (NCCL, one rank per GPU; on one GPU: world size 1, or --backend gloo for 2 r
 Summary over runs (median [min, max]) of the files given:
     python3 benchmarks/bench_averaging.py --summarize benchmarks/results/cpu/averaging_run*.json
 """
-import argparse
 import datetime
 import gc
 import json
@@ -404,9 +403,7 @@ def summarize(paths: List[str]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p = bc.arg_parser(__doc__)
     p.add_argument("--backend", default=None, help="default gloo (cpu) / nccl (cuda)")
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (nccl: 1 per GPU)")
     p.add_argument("--layers", type=int, default=12)

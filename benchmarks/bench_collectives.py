@@ -18,7 +18,6 @@ Time per call = slowest rank, median over --reps calls; the cases are interleave
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,11 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_common import free_port
 
 
 def worker(rank, args, world, port, out_path):

@@ -4,6 +4,7 @@ data, interleaved timing rounds, per-step statistics, paired overheads and outpu
 Both scripts put their own directory on sys.path (they run as `python benchmarks/...py`), so
 `import bench_common` works in the spawned ranks too.
 """
+import argparse
 import copy
 import json
 import os
@@ -164,7 +165,54 @@ def fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
+def print_run_header(title: str, i: dict, settings: str) -> None:
+    """A run's heading and set-up line, from run_info()'s fields (plus rounds and steps) and the
+    script's own settings."""
+    print(f"\n### {title}{i['backend']} x {i['world_size']} ranks on {i['device']} "
+          f"({i['device_name']}), torch {i['torch']}\n")
+    print(f"model {i['model']}, {i['params'] / 1e6:.1f}M params ({i['grad_mb']:.0f} MB fp32 "
+          f"grads), batch {i['batch']}/rank, {settings}, {i['threads_per_rank']} thread(s)/rank, "
+          f"{i['rounds']} rounds x {i['steps']} steps; step = forward+backward; time = slowest "
+          f"rank per step, median over steps\n")
+
+
+def print_table(header: List[str], align: str, rows) -> None:
+    """A Markdown table: the header's cells, one alignment letter per column ('l' or 'r'), and
+    rows of cells (strings)."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def print_checks(title: str, checks: dict) -> None:
+    """verify()'s checks, one line each: [ok], [FAIL], or [info] for a check not enforced."""
+    if not checks:
+        return
+    print(title)
+    for check, c in checks.items():
+        tag = ("ok" if c["ok"] else "FAIL") if c.get("enforced", True) else "info"
+        print(f"  [{tag}] {check}: {c['detail']}")
+    print()
+
+
+def register_hook(ddpx, ddp: DDP, state, hook, native: bool) -> None:
+    """A ddpx hook on ddp: natively (ddpx.register_comm_hook) or drop-in."""
+    if native:
+        ddpx.register_comm_hook(ddp, state, hook)
+    else:
+        ddp.register_comm_hook(state, hook)
+
+
 # ---- the launching process -------------------------------------------------------------------
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph, defaults in --help, --device."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    return p
+
 
 def add_model_args(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="default 8 (cpu) / 16 (cuda)")

@@ -20,7 +20,6 @@ Usage:
     PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_kernels.py --json out/kernels.json
     PYTHONPATH=build-gpu/python python3 benchmarks/bench_kernels.py --device cuda
 """
-import argparse
 import json
 import os
 import platform
@@ -31,6 +30,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+import bench_common as bc
 import ddpx
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -181,9 +181,7 @@ def print_row(r: dict, cuda: bool) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p = bc.arg_parser(__doc__)
     p.add_argument("--sizes", default="1,2,4,8,16,32", help="Mi elements (2**20), comma-separated")
     p.add_argument("--dtypes", default="fp16,bf16")
     p.add_argument("--ops", default="compress,sum_rows,decompress")

@@ -66,7 +66,6 @@ Race count only (no timing):
 Summary over repeated runs (median [min, max]):
     python3 benchmarks/bench_powersgd.py --summarize benchmarks/results/cpu/powersgd_run*.json
 """
-import argparse
 import copy
 import json
 import math
@@ -151,10 +150,7 @@ def register(name: str, cfg: dict, ddp: DDP, state, ddpx) -> None:
     hook = {"powerSGD_hook": H.powerSGD_hook, "batched_powerSGD_hook": H.batched_powerSGD_hook,
             "fp16_compress_wrapper(powerSGD_hook)": H.fp16_compress_wrapper(H.powerSGD_hook)
             }[cfg["hook"]]
-    if cfg["path"] == "drop-in":
-        ddp.register_comm_hook(state, hook)
-    else:
-        ddpx.register_comm_hook(ddp, state, hook)
+    bc.register_hook(ddpx, ddp, state, hook, native=cfg["path"] == "native")
 
 
 def stats_of(state) -> Optional[List[int]]:
@@ -475,42 +471,39 @@ def mb(v):
     return "-" if v is None else f"{v / 2**20:.2f}"
 
 
+def rate_of(r: dict) -> str:
+    return "-" if r["compression_rate"] is None else f"{r['compression_rate']:.1f}x"
+
+
 def print_report(run: dict) -> None:
     i = run["info"]
-    print(f"\n### PowerSGD: {i['backend']} x {i['world_size']} ranks on {i['device']} "
-          f"({i['device_name']}), torch {i['torch']}\n")
-    print(f"model {i['model']}, {i['params'] / 1e6:.1f}M params ({i['grad_mb']:.0f} MB fp32 "
-          f"grads), batch {i['batch']}/rank, bucket_cap_mb {i['bucket_cap_mb']:g} "
-          f"({'one bucket' if i['bucket_mode'] == 'one' else 'DDP buckets'}; torch's PowerSGD "
-          f"saw {i['buckets_per_step']} bucket(s)/step), start_powerSGD_iter "
-          f"{i['start_powerSGD_iter']} + {i['warmup']} compressed warm-up steps untimed, "
-          f"{i['threads_per_rank']} thread(s)/rank, {i['rounds']} rounds x {i['steps']} steps; "
-          f"time = slowest rank per step, median over steps\n")
-    if run["verify"]:
-        print("verify (gradients after the first compressed step):")
-        for check, c in run["verify"].items():
-            tag = ("ok" if c["ok"] else "FAIL") if c.get("enforced", True) else "info"
-            print(f"  [{tag}] {check}: {c['detail']}")
-        print()
-    print("| config | hook | path | rank | median ms | p25-p75 ms | paired overhead vs noop (ms) "
-          "| elements sent/step | payload MiB/step | ring MiB sent/rank/step | compression |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in run["results"].items():
-        rate = "-" if r["compression_rate"] is None else f"{r['compression_rate']:.1f}x"
-        print(f"| {name} | {r['hook']} | {r['path']} | {r['rank'] or '-'} | {r['median_ms']:.1f} | "
-              f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {r['overhead_paired_ms']:.1f} | "
-              f"{r['numel_after_per_step']:.0f} | {mb(r['payload_bytes_per_step'])} | "
-              f"{mb(r['ring_bytes_sent_per_rank'])} | {rate} |")
+    bc.print_run_header(
+        "PowerSGD: ", i,
+        f"bucket_cap_mb {i['bucket_cap_mb']:g} "
+        f"({'one bucket' if i['bucket_mode'] == 'one' else 'DDP buckets'}; torch's PowerSGD saw "
+        f"{i['buckets_per_step']} bucket(s)/step), start_powerSGD_iter "
+        f"{i['start_powerSGD_iter']} + {i['warmup']} compressed warm-up steps untimed")
+    bc.print_checks("verify (gradients after the first compressed step):", run["verify"])
+    bc.print_table(
+        ["config", "hook", "path", "rank", "median ms", "p25-p75 ms",
+         "paired overhead vs noop (ms)", "elements sent/step", "payload MiB/step",
+         "ring MiB sent/rank/step", "compression"], "lllrrrrrrrr",
+        ([name, r["hook"], r["path"], str(r["rank"] or "-"), f"{r['median_ms']:.1f}",
+          f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}", f"{r['overhead_paired_ms']:.1f}",
+          f"{r['numel_after_per_step']:.0f}", mb(r["payload_bytes_per_step"]),
+          mb(r["ring_bytes_sent_per_rank"]), rate_of(r)]
+         for name, r in run["results"].items()))
     print(f"\npayload = elements after compression (compression_stats, per timed step) x element "
           f"size; ring = payload x 2(W-1)/W = x{i['ring_factor']:.2f}")
     if run["ratios"]:
-        print("\n| rank | torch | ddpx | paired overhead torch / ddpx (ms) | ddpx/torch overhead "
-              "| step ratio torch/ddpx |")
-        print("|---:|---|---|---:|---:|---:|")
-        for e in run["ratios"]:
-            print(f"| {e['rank']} | {e['torch']} | {e['ddpx']} | {e['overhead_torch_ms']:.1f} / "
-                  f"{e['overhead_ddpx_ms']:.1f} | {fmt(e['overhead_ratio_ddpx_over_torch'], '.2f')} "
-                  f"| {e['step_ratio_torch_over_ddpx']:.2f} |")
+        print()
+        bc.print_table(
+            ["rank", "torch", "ddpx", "paired overhead torch / ddpx (ms)", "ddpx/torch overhead",
+             "step ratio torch/ddpx"], "rllrrr",
+            ([str(e["rank"]), e["torch"], e["ddpx"],
+              f"{e['overhead_torch_ms']:.1f} / {e['overhead_ddpx_ms']:.1f}",
+              fmt(e["overhead_ratio_ddpx_over_torch"], ".2f"),
+              f"{e['step_ratio_torch_over_ddpx']:.2f}"] for e in run["ratios"]))
     print(f"\nmemory-bandwidth floor: copy bandwidth {i['copy_bw_gbs']:.1f} GB/s (read + write, "
           f"{i['grad_mb']:.0f} MB)")
     for k, v in i["floor_ms"].items():
@@ -555,11 +548,9 @@ def summarize(paths: List[str]) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r0 in runs[0]["results"].items():
         rs = [run["results"][name] for run in runs if name in run["results"]]
-        rate = r0["compression_rate"]
         print(f"| {name} | {r0['rank'] or '-'} | {rng([r['median_ms'] for r in rs])} | "
               f"{rng([r['overhead_paired_ms'] for r in rs])} | {mb(r0['payload_bytes_per_step'])} "
-              f"| {mb(r0['ring_bytes_sent_per_rank'])} | "
-              f"{'-' if rate is None else f'{rate:.1f}x'} |")
+              f"| {mb(r0['ring_bytes_sent_per_rank'])} | {rate_of(r0)} |")
     print("\n| rank | torch | ddpx | overhead torch (ms) | overhead ddpx (ms) "
           "| ddpx/torch overhead | runs with ratio <= 0.5 |")
     print("|---:|---|---|---:|---:|---:|---:|")
@@ -587,9 +578,7 @@ def summarize(paths: List[str]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p = bc.arg_parser(__doc__)
     p.add_argument("--backend", default=None, help="default gloo (cpu) / nccl (cuda)")
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (nccl: 1 per GPU, max)")
     bc.add_model_args(p)

@@ -62,15 +62,19 @@ endif()
 configure_file("${CMAKE_CURRENT_SOURCE_DIR}/cmake/build_info.py.in"
   "${DDPX_PY_PACKAGE_DIR}/_build_info.py" @ONLY)
 
-# Mirror the pure-Python sources next to the module so the build tree is importable.
-file(GLOB _ddpx_py_files CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/python/ddpx/*.py")
+# Mirror the pure-Python sources, subpackages included, next to the module so the build tree is
+# importable.
+set(_ddpx_py_src "${CMAKE_CURRENT_SOURCE_DIR}/python/ddpx")
+file(GLOB_RECURSE _ddpx_py_files CONFIGURE_DEPENDS RELATIVE "${_ddpx_py_src}" "${_ddpx_py_src}/*.py")
 set(_ddpx_py_outputs "")
-foreach(_f IN LISTS _ddpx_py_files)
-  get_filename_component(_name "${_f}" NAME)
-  add_custom_command(OUTPUT "${DDPX_PY_PACKAGE_DIR}/${_name}"
-    COMMAND ${CMAKE_COMMAND} -E copy_if_different "${_f}" "${DDPX_PY_PACKAGE_DIR}/${_name}"
-    DEPENDS "${_f}")
-  list(APPEND _ddpx_py_outputs "${DDPX_PY_PACKAGE_DIR}/${_name}")
+foreach(_rel IN LISTS _ddpx_py_files)
+  set(_out "${DDPX_PY_PACKAGE_DIR}/${_rel}")
+  get_filename_component(_out_dir "${_out}" DIRECTORY)
+  add_custom_command(OUTPUT "${_out}"
+    COMMAND ${CMAKE_COMMAND} -E make_directory "${_out_dir}"
+    COMMAND ${CMAKE_COMMAND} -E copy_if_different "${_ddpx_py_src}/${_rel}" "${_out}"
+    DEPENDS "${_ddpx_py_src}/${_rel}")
+  list(APPEND _ddpx_py_outputs "${_out}")
 endforeach()
 add_custom_target(ddpx_python_files ALL DEPENDS ${_ddpx_py_outputs})
 add_dependencies(_C ddpx_python_files)

@@ -6,6 +6,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ._compat import is_non_group_member, process_group_ranks
+
 
 def resolve_group(group: Any, who: str, arg: str = "process_group",
                   non_member_ok: bool = False) -> Optional[dist.ProcessGroup]:
@@ -20,7 +22,7 @@ def resolve_group(group: Any, who: str, arg: str = "process_group",
                 "torch.distributed is not initialized; call dist.init_process_group() first"
             )
         return dist.group.WORLD
-    if non_member_ok and group is dist.GroupMember.NON_GROUP_MEMBER:
+    if non_member_ok and is_non_group_member(group):
         return None
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
@@ -57,11 +59,7 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
     """The global ranks of ``group`` (None or WORLD: all ranks), in group-rank order."""
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
-    getter = getattr(dist, "get_process_group_ranks", None)
-    if getter is not None:
-        return list(getter(group))
-    mapping = dist.distributed_c10d._pg_group_ranks[group]  # torch 1.13: global -> group rank
-    return [g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+    return process_group_ranks(group)
 
 
 def intra_node_subgroup() -> dist.ProcessGroup:

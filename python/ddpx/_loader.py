@@ -7,7 +7,7 @@ writes ``_build_info.py`` beside the module (the torch it was compiled against);
 """
 import torch
 
-from ._torch_compat import TORCH_VERSION, major_minor
+from ._compat import TORCH_VERSION, major_minor
 
 _REBUILD = ("rebuild ddpx in this environment: `pip install --no-build-isolation .` from the "
             "ddpx sources (no build isolation, so that this torch is the one it builds against)")

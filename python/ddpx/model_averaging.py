@@ -18,9 +18,10 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._loader import _C
 from ._groups import group_ranks, new_subgroups_by_ranks, resolve_group
-from .post_localsgd import hook_state_of
+from ._loader import _C
+from .hooks._native import native_property
+from .hooks.post_localSGD_hook import hook_state_of
 
 __all__ = [
     "ModelAverager",
@@ -91,19 +92,13 @@ class ModelAverager:
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._warmup_checked = False
 
-    @property
-    def step(self) -> int:
-        """Steps counted so far (one per :meth:`average_parameters` call)."""
-        return self._cpp.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._cpp.step = value
-
-    @property
-    def last_stats(self) -> Dict[str, int]:
-        """What the last :meth:`average_parameters` call did (all zeros if it did not average)."""
-        return self._cpp.last_stats
+    step = native_property(
+        "step", doc="Steps counted so far (one per :meth:`average_parameters` call).")
+    last_stats = native_property(
+        "last_stats", readonly=True,
+        doc="What the last :meth:`average_parameters` call did (all zeros if it did not average).")
+    warmup_steps = native_property(
+        "warmup_steps", readonly=True, doc="Steps without averaging before the first one.")
 
     def average_parameters(self, params: Params) -> None:
         """Averages the parameters of a model, or of optimizer parameter groups, that have a
@@ -155,13 +150,7 @@ class PeriodicModelAverager(ModelAverager):
                                              _native_group(self.process_group),
                                              _bucket_bytes(bucket_cap_mb))
 
-    @property
-    def period(self) -> int:
-        return self._cpp.period
-
-    @property
-    def warmup_steps(self) -> int:
-        return self._cpp.warmup_steps
+    period = native_property("period", readonly=True, doc="Steps per model averaging.")
 
 
 class HierarchicalModelAverager(ModelAverager):
@@ -217,10 +206,6 @@ class HierarchicalModelAverager(ModelAverager):
         self._cpp = _C.HierarchicalModelAverager(levels, int(warmup_steps),
                                                  _native_group(self.process_group),
                                                  _bucket_bytes(bucket_cap_mb))
-
-    @property
-    def warmup_steps(self) -> int:
-        return self._cpp.warmup_steps
 
     def _find_process_group(self) -> Optional[Any]:
         """The group that averages at the current step (None if none does)."""

@@ -1,5 +1,6 @@
 // Bindings of the default hooks, the CommHook base and native registration on DDP's Reducer.
-// The Python functions in ddpx/hooks wrap them.
+// The Python functions in ddpx/hooks/default_hooks.py and the machinery in ddpx/hooks/_native.py
+// wrap them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -1,5 +1,5 @@
 // Bindings of post-local SGD: PostLocalSGDState and post_localSGD_hook. The Python classes in
-// ddpx/hooks wrap them.
+// ddpx/hooks/post_localSGD_hook.py wrap them.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

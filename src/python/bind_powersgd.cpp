@@ -1,5 +1,5 @@
 // Bindings of PowerSGD: PowerSGDOptions, PowerSGDState and the two hooks. The Python classes in
-// ddpx/hooks wrap them.
+// ddpx/hooks/powerSGD_hook.py wrap them.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

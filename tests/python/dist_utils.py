@@ -24,13 +24,13 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "RankTimeout", "free_port", "run_ranks", "start_method"]
+__all__ = ["RankError", "RankTimeout", "catch", "free_port", "run_ranks", "start_method"]
 
 # Seconds a collective may wait inside a rank before Gloo gives up (a desynchronised rank then
 # fails instead of hanging until the parent's timeout).
@@ -54,6 +54,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def catch(fn: Callable[[], object]) -> Optional[Tuple[str, str]]:
+    """(exception type name, message) of what ``fn()`` raised, or None: what a rank records of an
+    expected error, for the test to inspect once the record is back in the parent."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return None
 
 
 def start_method() -> str:

@@ -36,6 +36,7 @@ import torch_compat as tc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
+from dist_utils import catch
 
 # DDP bucket cap: 4 KiB (1024 fp32). The MLP below has 1344 + 4160 + 520 parameters: from the
 # second iteration on, a backward pass has several buckets, so the hook's iteration counting
@@ -212,6 +213,14 @@ class Run:
             self.sched.step()
         return loss.item()
 
+    def steps(self, rank: int, start: int, stop: int) -> List[torch.Tensor]:
+        """Steps start..stop-1; the flat parameters after each."""
+        params = []
+        for i in range(start, stop):
+            self.step(rank, i)
+            params.append(flat_params(self.ddp))
+        return params
+
     def checkpoint(self) -> bytes:
         ck = {"model": self.ddp.module.state_dict(), "opt": self.opt.state_dict()}
         # torch's PostLocalSGDState has no state_dict(): its iter is what a resume needs
@@ -267,16 +276,10 @@ def resume(rank: int, c: Dict[str, Any], save_at: int, steps: int = STEPS,
     again), and two controls that must NOT reproduce the trajectory: "no_hook_state" (fresh hook
     state, iter 0) and "no_step" (optimizer state without the averager's step)."""
     full = Run(c)
-    full_params = []
-    for i in range(steps):
-        full.step(rank, i)
-        full_params.append(flat_params(full.ddp))
+    full_params = full.steps(rank, 0, steps)
 
     first = Run(c)
-    resumed = []
-    for i in range(save_at):
-        first.step(rank, i)
-        resumed.append(flat_params(first.ddp))
+    resumed = first.steps(rank, 0, save_at)
     blob = first.checkpoint()
     pickled = pickle.dumps(first.state) if how == "pickle" else None
     del first
@@ -295,9 +298,7 @@ def resume(rank: int, c: Dict[str, Any], save_at: int, steps: int = STEPS,
         second = Run(c)
         second.restore(blob, hook=how != "no_hook_state", step=how != "no_step")
     restored = {"iter": second.state.iter, "avg_step": second.averager.step}
-    for i in range(save_at, steps):
-        second.step(rank, i)
-        resumed.append(flat_params(second.ddp))
+    resumed += second.steps(rank, save_at, steps)
     return {"full": torch.stack(full_params), "resumed": torch.stack(resumed),
             "restored": restored, "full_iter": full.state.iter, "full_avg_step": full.averager.step}
 
@@ -504,11 +505,7 @@ def _outcome(fn) -> Tuple[Optional[str], Optional[str], List[str]]:
     """(exception type name or None, message, warning categories+messages)."""
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        try:
-            fn()
-            exc = (None, None)
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            exc = (type(e).__name__, str(e))
+        exc = catch(fn) or (None, None)
     return exc[0], exc[1], [f"{x.category.__name__}: {x.message}" for x in w]
 
 

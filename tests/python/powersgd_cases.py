@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
 import torch_compat as tc
+from dist_utils import catch
 
 # DDP bucket cap: 8 KiB (2048 fp32), for the first bucket too (dist._DEFAULT_FIRST_BUCKET_BYTES).
 # torch 1.13's DDP puts the whole model in one bucket, in registration order, for the first
@@ -482,15 +483,6 @@ def rank_torch_batched(rank: int, world_size: int) -> Optional[Dict[str, str]]:
     return None
 
 
-def _catch(fn) -> Optional[Tuple[str, str]]:
-    """(exception type name, message) of what fn raised, or None."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
     """Bad arguments and misuse, each caught with its exception type and message."""
     P = ddpx.hooks.PowerSGDState
@@ -499,19 +491,19 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
     def backward(ddp, step=0):
         loss_fn(ddp, *make_batch(rank, step)).backward()
 
-    out["rank_0"] = _catch(lambda: P(None, matrix_approximation_rank=0))
-    out["rank_neg"] = _catch(lambda: P(None, matrix_approximation_rank=-3))
-    out["min_rate_neg"] = _catch(lambda: P(None, min_compression_rate=-1))
-    out["min_rate_neg_small"] = _catch(lambda: P(None, min_compression_rate=-1e-9))
+    out["rank_0"] = catch(lambda: P(None, matrix_approximation_rank=0))
+    out["rank_neg"] = catch(lambda: P(None, matrix_approximation_rank=-3))
+    out["min_rate_neg"] = catch(lambda: P(None, min_compression_rate=-1))
+    out["min_rate_neg_small"] = catch(lambda: P(None, min_compression_rate=-1e-9))
     for ef, ws in ((True, True), (True, False), (False, True)):
-        out[f"start1_ef{ef}_ws{ws}"] = _catch(
+        out[f"start1_ef{ef}_ws{ws}"] = catch(
             lambda: P(None, start_powerSGD_iter=1, use_error_feedback=ef, warm_start=ws))
-        out[f"start1_ef{ef}_ws{ws}_torch"] = _catch(
+        out[f"start1_ef{ef}_ws{ws}_torch"] = catch(
             lambda: tp.PowerSGDState(None, start_powerSGD_iter=1, use_error_feedback=ef,
                                      warm_start=ws))
-    out["start1_no_memories"] = _catch(
+    out["start1_no_memories"] = catch(
         lambda: P(None, start_powerSGD_iter=1, use_error_feedback=False, warm_start=False))
-    out["start0_no_memories"] = _catch(
+    out["start0_no_memories"] = catch(
         lambda: P(None, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False))
 
     # torch's PowerSGDState handed to ddpx's hooks: natively at registration, drop-in at the
@@ -520,18 +512,18 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
     for name in ("powerSGD_hook", "batched_powerSGD_hook"):
         hook = getattr(ddpx.hooks, name)
         ddp = wrap_ddp(make_model())
-        out[f"torch_state_native_{name}"] = _catch(
+        out[f"torch_state_native_{name}"] = catch(
             lambda: ddpx.register_comm_hook(ddp, torch_state, hook))
         ddp = wrap_ddp(make_model())
         ddp.register_comm_hook(torch_state, hook)
-        out[f"torch_state_dropin_{name}"] = _catch(lambda: backward(ddp))
+        out[f"torch_state_dropin_{name}"] = catch(lambda: backward(ddp))
         # state=None (accepted by the default hooks, meaning the default group)
         ddp = wrap_ddp(make_model())
-        out[f"none_native_{name}"] = _catch(lambda: ddpx.register_comm_hook(ddp, None, hook))
+        out[f"none_native_{name}"] = catch(lambda: ddpx.register_comm_hook(ddp, None, hook))
         ddp = wrap_ddp(make_model())
         ddp.register_comm_hook(None, hook)
-        out[f"none_dropin_{name}"] = _catch(lambda: backward(ddp))
-    out["none_fp16_wrapper_native"] = _catch(lambda: ddpx.register_comm_hook(
+        out[f"none_dropin_{name}"] = catch(lambda: backward(ddp))
+    out["none_fp16_wrapper_native"] = catch(lambda: ddpx.register_comm_hook(
         wrap_ddp(make_model()), None, ddpx.hooks.fp16_compress_wrapper(ddpx.hooks.powerSGD_hook)))
 
     # One state, two DDP models: the second model's first backward fails; the first model
@@ -545,8 +537,8 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
         for step in range(3):  # past start_powerSGD_iter: compressing
             a.zero_grad()
             backward(a, step)
-        out[f"reuse_{mode}"] = _catch(lambda: backward(b, 3))
+        out[f"reuse_{mode}"] = catch(lambda: backward(b, 3))
         a.zero_grad()
-        out[f"reuse_{mode}_first_model_after"] = _catch(lambda: backward(a, 3))
+        out[f"reuse_{mode}_first_model_after"] = catch(lambda: backward(a, 3))
         out[f"reuse_{mode}_iter"] = state.iter
     return out

@@ -3,7 +3,6 @@ wrong, at registration where possible, and leave the DDP model usable when regis
 failed. One launch of 2 ranks runs every distributed case; the tests read its record.
 """
 import functools
-from typing import Callable, Optional, Tuple
 
 import pytest
 import torch
@@ -15,18 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_cases as dc
 import ddpx
 import torch_compat as tc
-from dist_utils import run_ranks
+from dist_utils import catch, run_ranks
 
 WORLD_SIZE = 2
-
-
-def _catch(fn: Callable[[], object]) -> Optional[Tuple[str, str]]:
-    """(exception type name, message) of what fn raised, or None."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _backward(ddp, rank):
@@ -38,12 +28,12 @@ def rank_errors(rank: int, world_size: int):
 
     # -- a second hook, by either path, is refused by DDP's Reducer -------------------------
     ddp = dc.make_ddp(dc.make_model(), "ddpx_allreduce_dropin")
-    out["dropin_then_native"] = _catch(
+    out["dropin_then_native"] = catch(
         lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.fp16_compress_hook))
     ddp = dc.make_ddp(dc.make_model(), "ddpx_allreduce_native")
-    out["native_then_native"] = _catch(
+    out["native_then_native"] = catch(
         lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.fp16_compress_hook))
-    out["native_then_dropin"] = _catch(
+    out["native_then_dropin"] = catch(
         lambda: ddp.register_comm_hook(None, ddpx.hooks.fp16_compress_hook))
     # The first hook stays in charge: the gradients are allreduce's, not fp16's.
     _backward(ddp, rank)
@@ -54,28 +44,28 @@ def rank_errors(rank: int, world_size: int):
 
     # -- registration refused before anything is installed ------------------------------------
     ddp = dc.make_ddp(dc.make_model(), "torch_none")
-    out["torch_hook_natively"] = _catch(
+    out["torch_hook_natively"] = catch(
         lambda: ddpx.register_comm_hook(ddp, None, torch_hooks.allreduce_hook))
-    out["python_fn_natively"] = _catch(
+    out["python_fn_natively"] = catch(
         lambda: ddpx.register_comm_hook(ddp, None, lambda state, bucket: None))
-    out["state_not_pg_native"] = _catch(
+    out["state_not_pg_native"] = catch(
         lambda: ddpx.register_comm_hook(ddp, "group", ddpx.hooks.allreduce_hook))
-    out["non_ddp_model"] = _catch(
+    out["non_ddp_model"] = catch(
         lambda: ddpx.register_comm_hook(dc.make_model(), None, ddpx.hooks.allreduce_hook))
-    out["C_hook_none"] = _catch(lambda: ddpx._C.register_comm_hook(ddp.reducer, None))
+    out["C_hook_none"] = catch(lambda: ddpx._C.register_comm_hook(ddp.reducer, None))
     # ... so a valid hook can still be registered afterwards, and works.
-    out["register_after_refusals"] = _catch(
+    out["register_after_refusals"] = catch(
         lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.allreduce_hook))
     _backward(ddp, rank)
     out["grads_after_refusals"] = dc.flat_grad(ddp)
 
     # -- errors the C++ constructors raise ----------------------------------------------------
-    out["compress_hook_fp32"] = _catch(
+    out["compress_hook_fp32"] = catch(
         lambda: ddpx._C.compress_hook(dist.group.WORLD, torch.float32))
-    out["compress_wrapper_fp64"] = _catch(
+    out["compress_wrapper_fp64"] = catch(
         lambda: ddpx._C.compress_wrapper(ddpx.hooks.native_hook(ddpx.hooks.allreduce_hook),
                                          torch.float64))
-    out["compress_hook_dtype_not_dtype"] = _catch(
+    out["compress_hook_dtype_not_dtype"] = catch(
         lambda: ddpx._C.compress_hook(dist.group.WORLD, "float16"))
 
     # -- errors raised while the hook runs, i.e. from backward() -------------------------------
@@ -83,7 +73,7 @@ def rank_errors(rank: int, world_size: int):
     ddp = dc.make_ddp(dc.make_model(), "torch_none")
     ddp.register_comm_hook(42, ddpx.hooks.fp16_compress_hook)
     loss = dc.loss_fn(ddp, *dc.make_batch(rank, 0))
-    out["state_not_pg_dropin_backward"] = _catch(loss.backward)
+    out["state_not_pg_dropin_backward"] = catch(loss.backward)
 
     for mode in dc.MODES:
         torch.manual_seed(0)
@@ -93,7 +83,7 @@ def rank_errors(rank: int, world_size: int):
         else:
             ddpx.register_comm_hook(emb, None, ddpx.hooks.fp16_compress_hook)
         loss = emb(torch.tensor([1, 2, 2 + rank])).sum()  # the forward pass is fine
-        out[f"sparse_{mode}_backward"] = _catch(loss.backward)
+        out[f"sparse_{mode}_backward"] = catch(loss.backward)
         dist.barrier()
 
     # A bucket that is not floating point: DDP never builds one (integer tensors cannot require
@@ -107,7 +97,7 @@ def rank_errors(rank: int, world_size: int):
     ddp = dc.make_ddp(dc.make_model(), "torch_none")
     ddp.register_comm_hook(None, int_bucket_hook)
     loss = dc.loss_fn(ddp, *dc.make_batch(rank, 0))
-    out["int_bucket_backward"] = _catch(loss.backward)
+    out["int_bucket_backward"] = catch(loss.backward)
     return out
 
 

@@ -65,6 +65,24 @@ def assert_matches_builtin(got, builtin, local):
         assert max_violation(got, builtin, bound) <= 0
 
 
+def compressed_grads(res, kind, dtype16):
+    """(config, iteration, local gradients, rank 0's result) of ddpx's ``kind`` compress hook,
+    drop-in and native, each checked first: the same on every rank, fp32, equal bit for bit to
+    the closed form (one ``dtype16`` rounding of x_r / W per rank, summed in fp32), and not the
+    fp32 mean (the values did go through 16 bits)."""
+    for mode in dc.MODES:
+        config = f"ddpx_{kind}_{mode}"
+        assert_same_on_all_ranks(res, config)
+        for it in range(ITERATIONS):
+            local = local_grads(res, it)
+            got = res[0][config][it]
+            assert got.dtype == torch.float32
+            expected = dc.ref_compress_hook(local, dtype16)
+            assert torch.equal(got, expected), (config, it, (got - expected).abs().max())
+            assert not torch.equal(got, res[0]["torch_allreduce"][it])
+            yield config, it, local, got
+
+
 def max_violation(actual, expected, bound):
     """max(|actual - expected| - bound): <= 0 when every element is within its bound."""
     return ((actual.double() - expected.double()).abs() - bound).max().item()
@@ -106,24 +124,14 @@ def test_fp16_compress_hook(world_size, variant):
     summed in fp32); within fp16 rounding of torch's fp16_compress_hook (bound in
     ddp_cases.fp16_vs_torch_bound); and closer to the exact mean than torch's overall."""
     res = grads(world_size, variant)
-    for mode in dc.MODES:
-        config = f"ddpx_fp16_{mode}"
-        assert_same_on_all_ranks(res, config)
-        for it in range(ITERATIONS):
-            local = local_grads(res, it)
-            got = res[0][config][it]
-            assert got.dtype == torch.float32
-            expected = dc.ref_compress_hook(local, torch.float16)
-            assert torch.equal(got, expected), (config, it, (got - expected).abs().max())
-            ref = res[0]["torch_fp16"][it]
-            bound = dc.fp16_vs_torch_bound(local)
-            assert max_violation(got, ref, bound) <= 0, (config, it)
-            mean = dc.exact_mean(local)
-            err_ddpx = (got.double() - mean).norm()
-            err_torch = (ref.double() - mean).norm()
-            assert err_ddpx <= err_torch, (config, it, err_ddpx, err_torch)
-            # The values did go through fp16: not the fp32 mean.
-            assert not torch.equal(got, res[0]["torch_allreduce"][it])
+    for config, it, local, got in compressed_grads(res, "fp16", torch.float16):
+        ref = res[0]["torch_fp16"][it]
+        bound = dc.fp16_vs_torch_bound(local)
+        assert max_violation(got, ref, bound) <= 0, (config, it)
+        mean = dc.exact_mean(local)
+        err_ddpx = (got.double() - mean).norm()
+        err_torch = (ref.double() - mean).norm()
+        assert err_ddpx <= err_torch, (config, it, err_ddpx, err_torch)
 
 
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
@@ -133,17 +141,9 @@ def test_bf16_compress_hook(world_size, variant):
     bf16(x_r / W), summed in fp32), and within bf16 rounding of the exact mean: one rounding
     of each x_r / W, |error| <= U_BF16 * mean_r |x_r|, plus fp32 summation (W 2^-24 S)."""
     res = grads(world_size, variant)
-    for mode in dc.MODES:
-        config = f"ddpx_bf16_{mode}"
-        assert_same_on_all_ranks(res, config)
-        for it in range(ITERATIONS):
-            local = local_grads(res, it)
-            got = res[0][config][it]
-            expected = dc.ref_compress_hook(local, torch.bfloat16)
-            assert torch.equal(got, expected), (config, it, (got - expected).abs().max())
-            bound = (dc.U_BF16 + world_size * 2.0 ** -24) * dc.mean_abs(local)
-            assert max_violation(got, dc.exact_mean(local), bound) <= 0, (config, it)
-            assert not torch.equal(got, res[0]["torch_allreduce"][it])
+    for config, it, local, got in compressed_grads(res, "bf16", torch.bfloat16):
+        bound = (dc.U_BF16 + world_size * 2.0 ** -24) * dc.mean_abs(local)
+        assert max_violation(got, dc.exact_mean(local), bound) <= 0, (config, it)
 
 
 @pytest.mark.skipif(not tc.TORCH_BF16_HOOKS_ON_GLOO,

@@ -41,14 +41,18 @@ cfg = pc.cfg
 
 # ---- launches ----------------------------------------------------------------------------------
 
+# Subgroups of 2: on 2 ranks the world (post-local SGD equals plain DDP there), on 4 ranks
+# {0, 1} and {2, 3}.
+TRAIN_BOTH = {
+    "torch": cfg("torch"),
+    "dropin": cfg("ddpx"),
+    "native": cfg("ddpx", mode="native"),
+    "native/averager": cfg("ddpx", mode="native", driver="averager"),
+    "dropin/tiny": cfg("ddpx", bucket_cap_mb=512 / 2 ** 20),
+}
 TRAIN = {
     2: {
-        # subgroup of size 2 == the world: post-local SGD equals plain DDP here
-        "torch": cfg("torch"),
-        "dropin": cfg("ddpx"),
-        "native": cfg("ddpx", mode="native"),
-        "native/averager": cfg("ddpx", mode="native", driver="averager"),
-        "dropin/tiny": cfg("ddpx", bucket_cap_mb=512 / 2 ** 20),
+        **TRAIN_BOTH,
         # subgroup=None: ddpx groups the ranks by host (one host here: both ranks)
         "dropin/nosub": cfg("ddpx", subgroup=None),
         "native/nosub": cfg("ddpx", mode="native", subgroup=None),
@@ -62,12 +66,7 @@ TRAIN = {
         "ddp": cfg("ddp"),
     },
     4: {
-        # subgroups {0, 1} and {2, 3}
-        "torch": cfg("torch"),
-        "dropin": cfg("ddpx"),
-        "native": cfg("ddpx", mode="native"),
-        "native/averager": cfg("ddpx", mode="native", driver="averager"),
-        "dropin/tiny": cfg("ddpx", bucket_cap_mb=512 / 2 ** 20),
+        **TRAIN_BOTH,
         # subgroup=None: all four ranks on one host, as an explicit subgroup of 4
         "torch/sub4": cfg("torch", subgroup=4),
         "dropin/nosub": cfg("ddpx", subgroup=None),

@@ -1,5 +1,5 @@
 """What the tests rely on that differs between the torch versions ddpx supports (facts the
-library or the benchmarks need too live in ddpx/_torch_compat.py and are re-exported here).
+library or the benchmarks need too live in ddpx/_compat.py and are re-exported here).
 
 Checked on Debian's torch 1.13.1 and pip's torch 2.11.0. Tests read these names instead of
 comparing versions, so a new difference is added here, once, with what was seen on each torch.
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpx._torch_compat import TORCH_VERSION  # noqa: E402
+from ddpx._compat import TORCH_VERSION  # noqa: E402
 
 # An exception raised by a Python comm hook during backward(): torch 1.13 reports it as a
 # RuntimeError whose text carries the original type's name and message; torch 2.x re-raises the
@@ -55,7 +55,7 @@ TORCH_BATCHED_POWERSGD_WORKS = _torch_batched_powersgd_works()
 
 
 # Whether torch's own bf16 hooks run on Gloo: a fact about torch that the benchmarks need too.
-from ddpx._torch_compat import TORCH_BF16_HOOKS_ON_GLOO  # noqa: E402,F401
+from ddpx._compat import TORCH_BF16_HOOKS_ON_GLOO  # noqa: E402,F401
 
 
 # torch 1.13's torchrun crashes at launch on Python 3.11 ('NoneType' object has no attribute

@@ -1,15 +1,23 @@
-"""PowerSGD: torch's ``PowerSGDState``, ``powerSGD_hook`` and ``batched_powerSGD_hook``, native."""
+"""PowerSGD (Vogels et al., NeurIPS 2019): torch's ``PowerSGDState``, ``powerSGD_hook`` and
+``batched_powerSGD_hook``, run by native C++ code. State and hooks together, as in torch's
+``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``."""
+import functools
 import logging
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ._loader import _C
-from ._groups import resolve_group
-from ._state import NativeStateCheckpoint
+from .._groups import resolve_group
+from .._loader import _C
+from ._native import (NativeState, check_int, check_number, make_hook, native_property,
+                      process_group_property)
 
 logger = logging.getLogger(__name__)
+
+_WHO = "PowerSGDState"
+_check_int = functools.partial(check_int, _WHO)
+_check_number = functools.partial(check_number, _WHO)
 
 _OPTION_NAMES = (
     "matrix_approximation_rank",
@@ -24,19 +32,7 @@ _OPTION_NAMES = (
 )
 
 
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"PowerSGDState: {name} must be an int, got {type(value).__name__}")
-    return value
-
-
-def _check_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"PowerSGDState: {name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-class PowerSGDState(NativeStateCheckpoint):
+class PowerSGDState(NativeState):
     r"""State of the PowerSGD hooks: hyperparameters, error-feedback residuals, warm-start Q
     factors, the iteration counter and the random generator. Same arguments, defaults, errors
     and attributes as :class:`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState`;
@@ -88,51 +84,22 @@ class PowerSGDState(NativeStateCheckpoint):
         opts.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         opts.validate()
         self._process_group = process_group
-        self._cpp = _C.PowerSGDState(resolve_group(process_group, "PowerSGDState"), opts, logger.info)
+        self._cpp = _C.PowerSGDState(resolve_group(process_group, _WHO), opts, logger.info)
 
-    # -- torch's attributes ---------------------------------------------------------------------
-    @property
-    def process_group(self) -> Optional[dist.ProcessGroup]:
-        return self._process_group
-
-    @process_group.setter
-    def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
-        self._cpp.process_group = resolve_group(group, "PowerSGDState")
-        self._process_group = group
-
-    @property
-    def iter(self) -> int:
-        return self._cpp.iter
-
-    @iter.setter
-    def iter(self, value: int) -> None:
-        self._cpp.iter = _check_int("iter", value)
-
-    @property
-    def total_numel_before_compression(self) -> int:
-        return self._cpp.total_numel_before_compression
-
-    @property
-    def total_numel_after_compression(self) -> int:
-        return self._cpp.total_numel_after_compression
-
-    @property
-    def next_stats_report(self) -> int:
-        return self._cpp.next_stats_report
-
-    @property
-    def error_dict(self) -> Dict[int, torch.Tensor]:
-        """Error-feedback residuals per parameter (views of the live buffers)."""
-        return self._cpp.error_dict()
-
-    @property
-    def q_memory_dict(self) -> Dict[int, torch.Tensor]:
-        """Warm-start Q factors per compressed parameter (views of the live buffers)."""
-        return self._cpp.q_memory_dict()
-
-    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
-        """Counts one iteration when ``bucket`` is the last bucket of a step."""
-        self._cpp.maybe_increase_iter(bucket.is_last())
+    # -- torch's attributes (the hyperparameters are set up below the class) -------------------
+    process_group = process_group_property(_WHO)
+    iter = native_property("iter", _check_int)
+    total_numel_before_compression = native_property("total_numel_before_compression",
+                                                     readonly=True)
+    total_numel_after_compression = native_property("total_numel_after_compression",
+                                                    readonly=True)
+    next_stats_report = native_property("next_stats_report", readonly=True)
+    error_dict = native_property(
+        "error_dict", get=lambda cpp, name: cpp.error_dict(), readonly=True,
+        doc="Error-feedback residuals per parameter (views of the live buffers).")
+    q_memory_dict = native_property(
+        "q_memory_dict", get=lambda cpp, name: cpp.q_memory_dict(), readonly=True,
+        doc="Warm-start Q factors per compressed parameter (views of the live buffers).")
 
     def compression_stats(self) -> Tuple[float, int, int]:
         """Returns ``(compress_rate, numel_before_compression, numel_after_compression)``."""
@@ -142,7 +109,7 @@ class PowerSGDState(NativeStateCheckpoint):
     # state_dict() (hyperparameters, iteration, statistics, generator state and per-parameter
     # memories as CPU tensors), load_state_dict() (call it before the first backward of the new
     # DDP model; memories reach their parameters as the buckets first run) and pickling come
-    # from NativeStateCheckpoint.
+    # from NativeState.
     def __setstate__(self, state: Dict[str, Any]) -> None:
         logger.warning(
             "NOTE: Process group will be set to a default group (i.e. the world size). If a "
@@ -153,7 +120,7 @@ class PowerSGDState(NativeStateCheckpoint):
         for name in _OPTION_NAMES:
             setattr(opts, name, state[name])
         self._process_group = None
-        self._cpp = _C.PowerSGDState(resolve_group(None, "PowerSGDState"), opts, logger.info)
+        self._cpp = _C.PowerSGDState(resolve_group(None, _WHO), opts, logger.info)
         self._cpp.load_state_dict(state)
 
     def __repr__(self) -> str:
@@ -161,29 +128,48 @@ class PowerSGDState(NativeStateCheckpoint):
         return f"ddpx.hooks.PowerSGDState({args}, iter={self.iter})"
 
 
-def _option_property(name: str):
-    def getter(self):
-        return getattr(self._cpp.options, name)
+def _get_option(cpp: Any, name: str) -> Any:
+    return getattr(cpp.options, name)
 
-    def setter(self, value):
-        opts = self._cpp.options
-        setattr(opts, name, value)
-        self._cpp.set_options(opts)
 
-    return property(getter, setter, doc=f"The ``{name}`` hyperparameter (settable).")
+def _set_option(cpp: Any, name: str, value: Any) -> None:
+    opts = cpp.options
+    setattr(opts, name, value)
+    cpp.set_options(opts)
 
 
 for _name in _OPTION_NAMES:
-    setattr(PowerSGDState, _name, _option_property(_name))
+    setattr(PowerSGDState, _name, native_property(
+        _name, get=_get_option, put=_set_option,
+        doc=f"The ``{_name}`` hyperparameter (settable)."))
 
 
-def _native_state(state: Any, hook_name: str) -> "_C.PowerSGDState":
-    if not isinstance(state, PowerSGDState):
-        hint = ""
-        if type(state).__name__ == "PowerSGDState":
-            hint = " (this is torch's PowerSGDState; ddpx's hooks need ddpx.hooks.PowerSGDState)"
-        raise TypeError(
-            f"{hook_name}: state must be a ddpx.hooks.PowerSGDState, got "
-            f"{type(state).__name__}{hint}"
-        )
-    return state._cpp
+powerSGD_hook = make_hook(
+    "powerSGD_hook",
+    lambda state: _C.powersgd_hook(state, batched=False),
+    """PowerSGD gradient compression (Vogels et al., NeurIPS 2019), torch's ``powerSGD_hook``:
+    matrices worth compressing travel as rank-r factors P and Q, the rest is allreduced, with
+    error feedback and warm start as configured in ``state`` (a :class:`PowerSGDState`). Plain
+    allreduce before ``state.start_powerSGD_iter``.
+
+    Example::
+        >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+        ...                                  start_powerSGD_iter=10, min_compression_rate=0.5)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.powerSGD_hook)
+    """,
+    state_type=PowerSGDState,
+)
+
+batched_powerSGD_hook = make_hook(
+    "batched_powerSGD_hook",
+    lambda state: _C.powersgd_hook(state, batched=True),
+    """Torch's ``batched_powerSGD_hook``: the whole bucket compressed as one zero-padded square
+    matrix. Faster than :func:`powerSGD_hook` but usually less accurate unless the rank is 1.
+    (torch's own crashes with an AssertionError; this one works.)
+
+    Example::
+        >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.batched_powerSGD_hook)
+    """,
+    state_type=PowerSGDState,
+)

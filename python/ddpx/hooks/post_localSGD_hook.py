@@ -1,13 +1,15 @@
-"""Post-local SGD: torch's ``PostLocalSGDState`` for ddpx's native ``post_localSGD_hook``."""
+"""Post-local SGD (Lin et al., ICLR 2020): torch's ``PostLocalSGDState`` and
+``post_localSGD_hook``, run by native C++ code. State and hook together, as in torch's
+``torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook``."""
 import logging
 import weakref
 from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from ._loader import _C
-from ._groups import check_optional_group, intra_node_subgroup, resolve_group
-from ._state import NativeStateCheckpoint
+from .._groups import check_optional_group, intra_node_subgroup, resolve_group
+from .._loader import _C
+from ._native import NativeState, check_int, make_hook, native_property, process_group_property
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +21,12 @@ STATE_TAG = "_ddpx_post_local_sgd_state"
 _WHO = "PostLocalSGDState"
 
 
-class PostLocalSGDState(NativeStateCheckpoint):
+def _check_subgroup(name: str, group: Any) -> Optional[dist.ProcessGroup]:
+    check_optional_group(group, _WHO, name)
+    return group
+
+
+class PostLocalSGDState(NativeState):
     r"""State of :func:`ddpx.hooks.post_localSGD_hook`: gradients are averaged over
     ``process_group`` until iteration ``start_localSGD_iter``, then within ``subgroup`` only (or
     not at all when ``post_local_gradient_allreduce`` is False). Same arguments, attributes and
@@ -56,12 +63,8 @@ class PostLocalSGDState(NativeStateCheckpoint):
         start_localSGD_iter: int,
         post_local_gradient_allreduce: bool = True,
     ):
-        if isinstance(start_localSGD_iter, bool) or not isinstance(start_localSGD_iter, int):
-            raise TypeError(
-                "PostLocalSGDState: start_localSGD_iter must be an int, got "
-                f"{type(start_localSGD_iter).__name__}"
-            )
-        check_optional_group(subgroup, _WHO, "subgroup")
+        check_int(_WHO, "start_localSGD_iter", start_localSGD_iter)
+        _check_subgroup("subgroup", subgroup)
         native_group = resolve_group(process_group, _WHO)
         self._process_group = process_group
         self._subgroup = subgroup
@@ -71,54 +74,16 @@ class PostLocalSGDState(NativeStateCheckpoint):
             start_localSGD_iter, bool(post_local_gradient_allreduce), logger.info)
 
     # -- torch's attributes ---------------------------------------------------------------------
-    @property
-    def process_group(self) -> Optional[dist.ProcessGroup]:
-        return self._process_group
+    process_group = process_group_property(_WHO)
+    subgroup = native_property(
+        "subgroup", _check_subgroup, keep=True,
+        doc="The group gradients are averaged in after the warm-up (None: intra-node).")
+    start_localSGD_iter = native_property("start_localSGD_iter")
+    post_local_gradient_allreduce = native_property(
+        "post_local_gradient_allreduce", lambda name, value: bool(value))
+    iter = native_property("iter")
 
-    @process_group.setter
-    def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
-        self._cpp.process_group = resolve_group(group, _WHO)
-        self._process_group = group
-
-    @property
-    def subgroup(self) -> Optional[dist.ProcessGroup]:
-        return self._subgroup
-
-    @subgroup.setter
-    def subgroup(self, group: Optional[dist.ProcessGroup]) -> None:
-        check_optional_group(group, _WHO, "subgroup")
-        self._cpp.subgroup = group
-        self._subgroup = group
-
-    @property
-    def start_localSGD_iter(self) -> int:
-        return self._cpp.start_localSGD_iter
-
-    @start_localSGD_iter.setter
-    def start_localSGD_iter(self, value: int) -> None:
-        self._cpp.start_localSGD_iter = value
-
-    @property
-    def post_local_gradient_allreduce(self) -> bool:
-        return self._cpp.post_local_gradient_allreduce
-
-    @post_local_gradient_allreduce.setter
-    def post_local_gradient_allreduce(self, value: bool) -> None:
-        self._cpp.post_local_gradient_allreduce = bool(value)
-
-    @property
-    def iter(self) -> int:
-        return self._cpp.iter
-
-    @iter.setter
-    def iter(self, value: int) -> None:
-        self._cpp.iter = value
-
-    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
-        """Counts one iteration when ``bucket`` is the last bucket of a step."""
-        self._cpp.maybe_increase_iter(bucket.is_last())
-
-    # -- checkpointing (state_dict, load_state_dict, pickling: NativeStateCheckpoint) ----------
+    # -- checkpointing (state_dict, load_state_dict, pickling: NativeState) --------------------
     def __setstate__(self, state: Dict[str, Any]) -> None:
         logger.warning(
             "NOTE: Process group will be set to the default group and the subgroup to the "
@@ -137,30 +102,30 @@ class PostLocalSGDState(NativeStateCheckpoint):
                 f"post_local_gradient_allreduce={self.post_local_gradient_allreduce}, "
                 f"iter={self.iter})")
 
-    # -- ddpx internals -------------------------------------------------------------------------
-    def _native(self) -> "_C.PostLocalSGDState":
+    # -- the state protocol (ddpx.hooks._native) -----------------------------------------------
+    def _ddpx_native_(self, hook_name: str) -> "_C.PostLocalSGDState":
         """The C++ state, with the intra-node subgroup created if it will be needed."""
         if self._subgroup is None and self.post_local_gradient_allreduce:
             self.subgroup = intra_node_subgroup()
         return self._cpp
 
+    def _ddpx_on_register_(self, ddp_model: Any) -> None:
+        """Native registration: the model's parameters are known, tag them all."""
+        self._tag(ddp_model.parameters())
+        self._params_tagged = True
+
+    def _ddpx_on_bucket_(self, bucket: dist.GradBucket) -> None:
+        """Drop-in: tag the parameters of the first iteration's buckets, for the model averagers'
+        warm-up check."""
+        if not self._params_tagged:
+            self._tag(bucket.parameters())
+            if bucket.is_last():
+                self._params_tagged = True
+
     def _tag(self, params) -> None:
         ref = weakref.ref(self)
         for p in params:
             setattr(p, STATE_TAG, ref)
-
-
-def native_state(state: Any, hook_name: str) -> "_C.PostLocalSGDState":
-    if not isinstance(state, PostLocalSGDState):
-        hint = ""
-        if type(state).__name__ == "PostLocalSGDState":
-            hint = (" (this is torch's PostLocalSGDState; ddpx's hook needs "
-                    "ddpx.hooks.PostLocalSGDState)")
-        raise TypeError(
-            f"{hook_name}: state must be a ddpx.hooks.PostLocalSGDState, got "
-            f"{type(state).__name__}{hint}"
-        )
-    return state._native()
 
 
 def hook_state_of(params) -> Optional[PostLocalSGDState]:
@@ -170,3 +135,23 @@ def hook_state_of(params) -> Optional[PostLocalSGDState]:
         if ref is not None:
             return ref()
     return None
+
+
+post_localSGD_hook = make_hook(
+    "post_localSGD_hook",
+    _C.post_localsgd_hook,
+    """Post-local SGD (Lin et al., ICLR 2020), torch's ``post_localSGD_hook``:
+    averages gradients over ``state.process_group`` (bit-identical to ``allreduce_hook``) until
+    ``state.start_localSGD_iter``, then within ``state.subgroup`` only (or not at all when
+    ``state.post_local_gradient_allreduce`` is False). Combine it with a model averager run after
+    the optimizer step, e.g. :class:`ddpx.optim.PostLocalSGDOptimizer` with a
+    :class:`ddpx.model_averaging.PeriodicModelAverager` whose ``warmup_steps`` equals
+    ``start_localSGD_iter``.
+
+    Example::
+        >>> state = ddpx.hooks.PostLocalSGDState(process_group=None, subgroup=None,
+        ...                                      start_localSGD_iter=100)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.post_localSGD_hook)
+    """,
+    state_type=PostLocalSGDState,
+)

@@ -1,0 +1,96 @@
+"""What ddpx's Python side, its tests and its benchmarks need to know about the installed torch,
+in one place (the C++ side's counterpart is include/ddpx/common/compat.h).
+
+Two kinds of entries, each saying where it was seen (Debian's torch 1.13.1, which reports
+1.13.0a0, and pip's torch 2.11.0+cu130):
+
+* facts about the installed torch (``TORCH_VERSION``, ``TORCH_BF16_HOOKS_ON_GLOO``);
+* every private or undocumented torch attribute the package reads, behind a small function.
+  No other module of the package reads one, so a torch release that moves one breaks here.
+"""
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+
+
+def major_minor(version: str) -> tuple:
+    """(major, minor) of a torch version string: "2.11.0+cu130" -> (2, 11), "1.13.0a0" -> (1, 13)."""
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+TORCH_VERSION = major_minor(torch.__version__)
+
+
+# ---- facts about the installed torch ------------------------------------------------------------
+
+def _nccl_version() -> tuple:
+    """``torch.cuda.nccl.version()``: the NCCL torch was built with, (major, minor, patch[,
+    suffix]) in 1.13 and 2.x. Raises when torch has no NCCL library."""
+    return tuple(torch.cuda.nccl.version())
+
+
+def _torch_bf16_hooks_on_gloo() -> bool:
+    """Whether torch's own bf16_compress_hook / bf16_compress_wrapper run on Gloo (CPU).
+
+    DDP's _check_comm_hook refuses them unless torch is a CUDA 11+ build with NCCL >= 2.10 (a
+    GPU is not needed: pip's CUDA wheel passes on a CPU-only machine, Debian's CPU-only 1.13
+    does not), and Gloo must reduce bf16, which 1.13's Gloo cannot. Seen: 2.11.0+cu130 runs
+    both on 2 Gloo CPU ranks; 1.13 raises "BF16 all reduce communication hook required CUDA
+    11+ and NCCL 2.10+"."""
+    if TORCH_VERSION < (2, 0) or not torch.version.cuda:
+        return False
+    if int(torch.version.cuda.split(".")[0]) < 11 or not dist.is_nccl_available():
+        return False
+    try:
+        return _nccl_version()[:2] >= (2, 10)
+    except Exception:  # noqa: BLE001 - no NCCL library loadable
+        return False
+
+
+TORCH_BF16_HOOKS_ON_GLOO = _torch_bf16_hooks_on_gloo()
+
+
+# ---- private / undocumented torch attributes ----------------------------------------------------
+
+def process_group_ranks(group: dist.ProcessGroup) -> List[int]:
+    """The global ranks of a (non-WORLD) group, in group-rank order. torch 2.x:
+    ``dist.get_process_group_ranks`` (public). torch 1.13 has no such function: the private
+    ``dist.distributed_c10d._pg_group_ranks[group]`` maps global rank -> group rank."""
+    getter = getattr(dist, "get_process_group_ranks", None)
+    if getter is not None:
+        return list(getter(group))
+    mapping = dist.distributed_c10d._pg_group_ranks[group]
+    return [g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+
+
+def is_non_group_member(group: Any) -> bool:
+    """Whether ``group`` is the placeholder ``dist.new_group`` returns on ranks outside the group:
+    ``dist.GroupMember.NON_GROUP_MEMBER`` (undocumented; an ``object()`` in 1.13, the int -100 in
+    2.x, the same object every time in both)."""
+    return group is dist.GroupMember.NON_GROUP_MEMBER
+
+
+def reducer_of(ddp_model: torch.nn.parallel.DistributedDataParallel) -> Any:
+    """DDP's C++ Reducer (``ddp_model.reducer``: undocumented, set in ``__init__`` in 1.13 and
+    2.x), where a native hook is installed."""
+    return ddp_model.reducer
+
+
+def set_comm_hook_name(ddp_model: torch.nn.parallel.DistributedDataParallel, name: str) -> None:
+    """Names the hook in DDP's logging data, as ``register_comm_hook`` does for Python hooks:
+    the private ``ddp_model.logger._set_comm_hook_name`` (1.13 and 2.x; the logger is None when
+    DDP logging is off)."""
+    logger = getattr(ddp_model, "logger", None)
+    if logger is not None:
+        logger._set_comm_hook_name(name)
+
+
+def record_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
+                     hook: Callable, state: Any) -> None:
+    """torch 2.x's DDP keeps the registered (hook, state) pairs in the private list
+    ``ddp_model._comm_hooks`` for its own bookkeeping: keep it truthful for a natively
+    registered hook. torch 1.13 has no such list."""
+    hooks = getattr(ddp_model, "_comm_hooks", None)
+    if isinstance(hooks, list):
+        hooks.append((hook, state))

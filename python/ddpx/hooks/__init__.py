@@ -1,0 +1,34 @@
+"""DDP communication hooks with torch's names, arguments and defaults, run by native C++ code.
+
+Every hook here is a plain Python function that ``DistributedDataParallel.register_comm_hook``
+accepts (drop-in), and also carries the factory of its C++ object so that
+:func:`register_comm_hook` can hand that object to DDP's C++ Reducer (native path).
+
+The modules follow torch's ``torch.distributed.algorithms.ddp_comm_hooks``, each family's state
+beside its hooks: ``default_hooks`` (the default hooks, the compress wrappers, ``noop_hook``),
+``powerSGD_hook`` and ``post_localSGD_hook``; ``_native`` is the machinery they share (see its
+docstring for the state protocol a new hook's state implements). As before, the attributes
+``ddpx.hooks.powerSGD_hook`` and ``ddpx.hooks.post_localSGD_hook`` are the hook *functions*;
+import the modules of the same name with ``from ddpx.hooks.powerSGD_hook import ...``.
+"""
+from ._native import native_hook, register_comm_hook
+from .default_hooks import (allreduce_hook, bf16_compress_hook, bf16_compress_wrapper,
+                            fp16_compress_hook, fp16_compress_wrapper, noop_hook)
+from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from .post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+
+__all__ = [
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "fp16_compress_wrapper",
+    "bf16_compress_wrapper",
+    "noop_hook",
+    "PowerSGDState",
+    "powerSGD_hook",
+    "batched_powerSGD_hook",
+    "PostLocalSGDState",
+    "post_localSGD_hook",
+    "register_comm_hook",
+    "native_hook",
+]

@@ -1,0 +1,85 @@
+"""torch's default hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
+``fp16_compress_wrapper``, ``bf16_compress_wrapper``) and debugging ``noop_hook``, run by native
+C++ code. Their state is a ProcessGroup, or None for the default group."""
+import torch
+
+from .._loader import _C
+from ._native import HookFn, make_hook, native_hook
+
+
+def _example(hook: str) -> str:
+    return f"""
+
+    Example::
+        >>> ddp_model.register_comm_hook(process_group, ddpx.hooks.{hook})
+    """
+
+
+allreduce_hook = make_hook(
+    "allreduce_hook",
+    _C.allreduce_hook,
+    """Averages the bucket over the group with one allreduce, like torch's ``allreduce_hook``
+    (same result, bit for bit, for fp32 gradients). ``state`` is a ProcessGroup or None for the
+    default group.""" + _example("allreduce_hook"),
+)
+
+fp16_compress_hook = make_hook(
+    "fp16_compress_hook",
+    lambda group: _C.compress_hook(group, torch.float16),
+    """Divides the bucket by the group size and casts it to ``torch.float16`` in one fused pass,
+    exchanges the half-precision values and writes the mean back in the bucket's dtype.
+    On Gloo the fp16 values are gathered and summed in fp32 (faster than Gloo's scalar fp16
+    sums, and no fp16 rounding of partial sums).""" + _example("fp16_compress_hook"),
+)
+
+bf16_compress_hook = make_hook(
+    "bf16_compress_hook",
+    lambda group: _C.compress_hook(group, torch.bfloat16),
+    """Like :func:`fp16_compress_hook` with ``torch.bfloat16``. Works on Gloo and on CPU too
+    (torch's own refuses anything but NCCL >= 2.10 with CUDA).""" + _example("bf16_compress_hook"),
+)
+
+noop_hook = make_hook(
+    "noop_hook",
+    lambda state: _C.noop_hook(),
+    """Returns the bucket unchanged without any communication: for headroom analysis only
+    (gradients are *not* synchronised).
+
+    Example::
+        >>> ddp_model.register_comm_hook(None, ddpx.hooks.noop_hook)
+    """,
+    state_type=object,
+)
+
+
+def _make_wrapper(dtype: torch.dtype, name: str):
+    def wrapper(hook: HookFn) -> HookFn:
+        if getattr(hook, "_ddpx_factory", None) is None:
+            raise TypeError(
+                f"{name}: hook must be a ddpx hook (e.g. ddpx.hooks.allreduce_hook), got "
+                f"{getattr(hook, '__qualname__', repr(hook))}; to wrap a Python hook use "
+                f"torch.distributed.algorithms.ddp_comm_hooks.default_hooks.{name}"
+            )
+        # The state goes to the wrapped hook as it is: that hook checks it.
+        return make_hook(
+            f"{name}_hook",
+            lambda state: _C.compress_wrapper(native_hook(hook, state), dtype),
+            f"{name}({hook._ddpx_name}): runs the wrapped hook on a {dtype} copy of the bucket "
+            "and casts its result back into the bucket's dtype.",
+            state_type=object,
+        )
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = f"""Casts the bucket to ``{dtype}``, runs the given ddpx hook on it, and casts
+    the result back to the bucket's dtype, like torch's ``{name}``.
+    ``{name}(allreduce_hook)`` averages like the compress hook of the same dtype.
+
+    Example::
+        >>> state = ddpx.hooks.PowerSGDState(process_group, matrix_approximation_rank=1)
+        >>> ddp_model.register_comm_hook(state, ddpx.hooks.{name}(ddpx.hooks.allreduce_hook))
+    """
+    return wrapper
+
+
+fp16_compress_wrapper = _make_wrapper(torch.float16, "fp16_compress_wrapper")
+bf16_compress_wrapper = _make_wrapper(torch.bfloat16, "bf16_compress_wrapper")
