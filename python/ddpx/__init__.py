@@ -15,8 +15,8 @@ from . import hooks, model_averaging, optim
 from .hooks import register_comm_hook
 from .model_averaging import HierarchicalModelAverager, PeriodicModelAverager
 from .optim import PostLocalSGDOptimizer
-
 from ._version import __version__
+
 __all__ = [
     "hooks",
     "model_averaging",
