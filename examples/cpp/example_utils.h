@@ -10,8 +10,8 @@
 namespace ddpx_example {
 
 // One rank's Gloo process group of `world` ranks over `store`; returns once all have joined.
-inline ddpx::ProcessGroupPtr make_gloo_group(
-    const c10::intrusive_ptr<c10d::Store>& store, int rank, int world) {
+inline ddpx::ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                             int world) {
   // Ranks are threads of one process here: see the note on this function in compat.h.
   ddpx::compat::disable_flight_recorder_for_thread_ranks();
   auto options = c10d::ProcessGroupGloo::Options::create();

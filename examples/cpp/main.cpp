@@ -7,8 +7,6 @@
 #include <ddpx/common/compat.h>
 #include <ddpx/hooks.h>
 
-#include "example_utils.h"
-
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -18,6 +16,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <vector>
+
+#include "example_utils.h"
 
 namespace {
 

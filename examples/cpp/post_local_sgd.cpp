@@ -12,8 +12,6 @@
 #include <ddpx/averaging.h>
 #include <ddpx/common/compat.h>
 #include <ddpx/hooks.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
@@ -24,6 +22,8 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <vector>
 
 #include "example_utils.h"
@@ -56,8 +56,8 @@ void average_gradients(const ddpx::hooks::CommHookPtr& hook,
   }
   at::Tensor buffer = at::cat(grads);
   const std::vector<c10::IntArrayRef> sizes(shapes.begin(), shapes.end());
-  c10d::GradBucket bucket = ddpx::compat::make_grad_bucket(0, 1, buffer, offsets, lengths,
-                                                           sizes, params);
+  c10d::GradBucket bucket =
+      ddpx::compat::make_grad_bucket(0, 1, buffer, offsets, lengths, sizes, params);
   auto future = hook->runHook(bucket);
   future->wait();
   at::Tensor mean = hook->parseHookResult(future->value());
@@ -89,8 +89,7 @@ void train(int rank, const c10::intrusive_ptr<c10d::Store>& store, const at::Ten
     model->bias.zero_();
   }
   auto state = std::make_shared<ddpx::hooks::PostLocalSGDState>(
-      pg, subgroup, kStart, /*post_local_gradient_allreduce=*/true,
-      [](const std::string&) {});
+      pg, subgroup, kStart, /*post_local_gradient_allreduce=*/true, [](const std::string&) {});
   auto hook = ddpx::hooks::post_localSGD_hook(state);
   ddpx::PostLocalSGDOptimizer opt(
       std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05)),
@@ -155,8 +154,10 @@ int main() {
     std::printf("  %-62s %s\n", what.c_str(), cond ? "ok" : "FAILED");
     ok = ok && cond;
   };
-  std::printf("ddpx C++ post-local SGD example: %d Gloo ranks, %d steps, local SGD from step %d, "
-              "averaging every %d\n", kWorld, kSteps, kStart, kPeriod);
+  std::printf(
+      "ddpx C++ post-local SGD example: %d Gloo ranks, %d steps, local SGD from step %d, "
+      "averaging every %d\n",
+      kWorld, kSteps, kStart, kPeriod);
   for (int r = 0; r < kWorld; ++r) {
     if (!logs[r].error.empty()) {
       std::printf("rank %d failed: %s\nFAIL\n", r, logs[r].error.c_str());

@@ -1,7 +1,6 @@
 // Parameter averaging: validation, then the bucketed engine with AllreduceMean.
-#include <ddpx/comm/average.h>
-
 #include <c10/util/Exception.h>
+#include <ddpx/comm/average.h>
 
 namespace ddpx {
 namespace comm {
@@ -27,8 +26,8 @@ AverageStats average_parameters(const std::vector<at::Tensor>& params,
     TORCH_CHECK_VALUE(p.defined(), "average_parameters: parameter ", i, " is undefined");
     TORCH_CHECK_VALUE(p.layout() == at::kStrided, "average_parameters: parameter ", i,
                       " is not a dense tensor (layout ", p.layout(), ")");
-    TORCH_CHECK_VALUE(p.is_floating_point() || p.is_complex(), "average_parameters: parameter ",
-                      i, " has dtype ", p.scalar_type(), "; only floating-point values average");
+    TORCH_CHECK_VALUE(p.is_floating_point() || p.is_complex(), "average_parameters: parameter ", i,
+                      " has dtype ", p.scalar_type(), "; only floating-point values average");
   }
   return run_bucketed(params, process_group, AllreduceMean(), options);
 }

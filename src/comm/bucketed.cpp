@@ -1,14 +1,13 @@
 // The bucketed in-place collective engine. See include/ddpx/comm/bucketed.h.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <ddpx/comm/bucketed.h>
+#include <ddpx/comm/exchange_mode.h>
 
 #include <algorithm>
 #include <deque>
 #include <utility>
-
-#include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
-#include <c10/util/Exception.h>
-#include <ddpx/comm/exchange_mode.h>
 
 namespace ddpx {
 namespace comm {
@@ -42,14 +41,14 @@ enum class Access {
 struct Source {
   at::Tensor param;  // the caller's tensor
   Access access = Access::kFlat;
-  at::Tensor flat;   // kFlat: view of param; kTemporary: the copy while in use
+  at::Tensor flat;      // kFlat: view of param; kTemporary: the copy while in use
   int64_t pending = 0;  // kTemporary: segments not unpacked yet
 };
 
 struct Plan {
   std::vector<Source> sources;
   std::vector<Job> jobs;
-  int64_t max_staged = 0;  // largest staging bucket, in elements
+  int64_t max_staged = 0;    // largest staging bucket, in elements
   int live_temporaries = 0;  // kTemporary copies alive now
 };
 
@@ -60,8 +59,7 @@ struct Plan {
 // match, contiguous and dense non-contiguous tensors (channels_last, transposes) are reduced in
 // their own storage (averaging is elementwise, so memory order is as good as logical order);
 // otherwise every tensor is copied through the staging buckets in logical order.
-bool same_layouts(const std::vector<at::Tensor>& params,
-                  const ProcessGroupPtr& pg) {
+bool same_layouts(const std::vector<at::Tensor>& params, const ProcessGroupPtr& pg) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over every tensor's strides and density
   auto mix = [&](int64_t v) {
     h ^= static_cast<uint64_t>(v);
@@ -72,8 +70,8 @@ bool same_layouts(const std::vector<at::Tensor>& params,
     for (int64_t v : p.strides()) mix(v);
   }
   const int64_t mine = static_cast<int64_t>(h >> 2);  // non-negative, and so is its negation
-  at::Tensor both = at::tensor({mine, -mine}, at::TensorOptions(at::kLong))
-                        .to(params.front().device());
+  at::Tensor both =
+      at::tensor({mine, -mine}, at::TensorOptions(at::kLong)).to(params.front().device());
   std::vector<at::Tensor> tensors{both};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
@@ -321,8 +319,8 @@ Broadcast::Broadcast(int64_t root) : root_(root) {
 
 c10::intrusive_ptr<c10d::Work> Broadcast::start(c10d::ProcessGroup& pg,
                                                 const at::Tensor& values) const {
-  TORCH_CHECK_VALUE(root_ < pg.getSize(), "Broadcast: root ", root_, " is not a rank of a group of ",
-                    pg.getSize());
+  TORCH_CHECK_VALUE(root_ < pg.getSize(), "Broadcast: root ", root_,
+                    " is not a rank of a group of ", pg.getSize());
   // As raw bytes: bit for bit whatever the dtype, and every backend broadcasts bytes (torch
   // 1.13's Gloo has no bfloat16).
   std::vector<at::Tensor> tensors{values.view(at::kByte)};

@@ -1,11 +1,11 @@
 // The hooks' reduction primitives. See src/comm/exchange.h.
 #include "comm/exchange.h"
 
-#include <map>
-#include <mutex>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+
+#include <map>
+#include <mutex>
 
 #include "ops/cast.h"
 
@@ -68,8 +68,7 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
   TORCH_INTERNAL_ASSERT(pg);
   TORCH_INTERNAL_ASSERT(values.is_contiguous() && out.is_contiguous());
   TORCH_INTERNAL_ASSERT(values.numel() == out.numel());
-  const auto resolved =
-      resolve_exchange_mode(mode, *pg, values.scalar_type(), values.device());
+  const auto resolved = resolve_exchange_mode(mode, *pg, values.scalar_type(), values.device());
 
   if (resolved == ExchangeMode::kAllgather) {
     return cast_gather_sum_into(pg, values, values.scalar_type(), 1.0, out, scale);
@@ -87,8 +86,8 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
-    const ProcessGroupPtr& pg, const at::Tensor& src,
-    at::ScalarType wire_dtype, double pre_scale, const at::Tensor& out, double post_scale) {
+    const ProcessGroupPtr& pg, const at::Tensor& src, at::ScalarType wire_dtype, double pre_scale,
+    const at::Tensor& out, double post_scale) {
   TORCH_INTERNAL_ASSERT(pg && src.is_contiguous() && out.is_contiguous());
   TORCH_INTERNAL_ASSERT(src.numel() == out.numel());
   const int64_t world = pg->getSize();
@@ -158,8 +157,9 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
       c10::TensorType::get());
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(
-    const ProcessGroupPtr& pg, const at::Tensor& tensor, ExchangeMode mode) {
+c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg,
+                                                       const at::Tensor& tensor,
+                                                       ExchangeMode mode) {
   const double inv_world = 1.0 / pg->getSize();
   if (resolve_exchange_mode(mode, *pg, tensor.scalar_type(), tensor.device()) ==
       ExchangeMode::kAllgather) {

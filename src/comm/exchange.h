@@ -24,12 +24,9 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
 // straight into a (reused) staging buffer, exchanges it with every rank, and completes once
 //   out = cast<out.dtype>(post_scale * sum over ranks of the wire values)
 // holds, summed in fp32. `src` and `out` may be the same tensor.
-c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(const ProcessGroupPtr& pg,
-                                                             const at::Tensor& src,
-                                                             at::ScalarType wire_dtype,
-                                                             double pre_scale,
-                                                             const at::Tensor& out,
-                                                             double post_scale);
+c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
+    const ProcessGroupPtr& pg, const at::Tensor& src, at::ScalarType wire_dtype, double pre_scale,
+    const at::Tensor& out, double post_scale);
 
 // The mean of `tensor` over the group, written back into `tensor`: torch's allreduce_hook
 // (divide, then allreduce; bit-identical for fp32/fp64), or for 16-bit values where the mode

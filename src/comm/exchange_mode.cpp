@@ -1,7 +1,6 @@
 // ExchangeMode and the 16-bit rule. See include/ddpx/comm/exchange_mode.h.
-#include <ddpx/comm/exchange_mode.h>
-
 #include <c10/util/Exception.h>
+#include <ddpx/comm/exchange_mode.h>
 #include <ddpx/common/compat.h>
 
 namespace ddpx {

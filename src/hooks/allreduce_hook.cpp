@@ -1,6 +1,5 @@
-#include <ddpx/hooks/allreduce_hook.h>
-
 #include <ATen/ATen.h>
+#include <ddpx/hooks/allreduce_hook.h>
 
 #include "comm/exchange.h"
 #include "hooks/hook_utils.h"
@@ -8,8 +7,7 @@
 namespace ddpx {
 namespace hooks {
 
-AllreduceHook::AllreduceHook(ProcessGroupPtr process_group,
-                             ExchangeMode exchange)
+AllreduceHook::AllreduceHook(ProcessGroupPtr process_group, ExchangeMode exchange)
     : pg_(std::move(process_group)), exchange_(exchange) {
   detail::check_process_group(pg_, name());
 }

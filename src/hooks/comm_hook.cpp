@@ -1,9 +1,8 @@
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <ddpx/hooks/comm_hook.h>
 
 #include "hooks/hook_utils.h"
-
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
 
 namespace ddpx {
 namespace hooks {

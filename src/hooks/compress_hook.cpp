@@ -1,7 +1,6 @@
-#include <ddpx/hooks/compress_hook.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <ddpx/hooks/compress_hook.h>
 
 #include "comm/exchange.h"
 #include "hooks/hook_utils.h"
@@ -47,8 +46,8 @@ c10::intrusive_ptr<c10::ivalue::Future> all_chunks_done(
 }
 }  // namespace
 
-CompressHook::CompressHook(ProcessGroupPtr process_group,
-                           at::ScalarType dtype, ExchangeMode exchange)
+CompressHook::CompressHook(ProcessGroupPtr process_group, at::ScalarType dtype,
+                           ExchangeMode exchange)
     : pg_(std::move(process_group)), dtype_(dtype), exchange_(exchange) {
   detail::check_compress_dtype(dtype_, "CompressHook");
   detail::check_process_group(pg_, name());

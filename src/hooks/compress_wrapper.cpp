@@ -1,7 +1,6 @@
-#include <ddpx/hooks/compress_wrapper.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <ddpx/hooks/compress_wrapper.h>
 
 #include "hooks/hook_utils.h"
 #include "ops/cast.h"

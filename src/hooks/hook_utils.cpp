@@ -36,8 +36,7 @@ void check_bucket(const at::Tensor& buffer, const std::string& hook_name) {
   TORCH_CHECK(buffer.is_contiguous(), hook_name, ": the bucket buffer must be contiguous");
 }
 
-void check_process_group(const ProcessGroupPtr& pg,
-                         const std::string& hook_name) {
+void check_process_group(const ProcessGroupPtr& pg, const std::string& hook_name) {
   TORCH_CHECK(pg, hook_name,
               ": process_group must be a torch.distributed ProcessGroup, got None (pass the "
               "group, or None from Python to use the default group)");

@@ -2,11 +2,11 @@
 // (private to the hooks).
 #pragma once
 
-#include <string>
-
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <ddpx/common/process_group.h>
+
+#include <string>
 
 namespace ddpx {
 namespace hooks {
@@ -20,8 +20,7 @@ void check_bucket(const at::Tensor& buffer, const std::string& hook_name);
 at::Tensor parse_hook_result(const c10::IValue& result, const std::string& hook_name);
 
 // Checks a process group handle given to a hook constructor.
-void check_process_group(const ProcessGroupPtr& pg,
-                         const std::string& hook_name);
+void check_process_group(const ProcessGroupPtr& pg, const std::string& hook_name);
 
 // Checks the 16-bit dtype given to a compression hook or wrapper.
 void check_compress_dtype(at::ScalarType dtype, const std::string& who);

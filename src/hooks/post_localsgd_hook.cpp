@@ -1,8 +1,7 @@
-#include <ddpx/hooks/post_localsgd_hook.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
+#include <ddpx/hooks/post_localsgd_hook.h>
 
 #include "comm/exchange.h"
 #include "hooks/hook_utils.h"
@@ -22,8 +21,7 @@ void check_start(int64_t start) {
 }
 }  // namespace
 
-PostLocalSGDState::PostLocalSGDState(ProcessGroupPtr process_group,
-                                     ProcessGroupPtr subgroup,
+PostLocalSGDState::PostLocalSGDState(ProcessGroupPtr process_group, ProcessGroupPtr subgroup,
                                      int64_t start_localSGD_iter,
                                      bool post_local_gradient_allreduce, Logger logger)
     : process_group_(std::move(process_group)),
@@ -86,10 +84,10 @@ void PostLocalSGDState::load_state_dict(const c10::impl::GenericDict& d) {
   };
   // "format" is optional (a hand-written dict of the three values loads too).
   auto format = d.find(c10::IValue(std::string("format")));
-  TORCH_CHECK_VALUE(format == d.end() || (format->value().isString() &&
-                                          format->value().toStringRef() ==
-                                              "ddpx.PostLocalSGDState/1"),
-                    kWho, ".load_state_dict: not a ddpx PostLocalSGDState state_dict");
+  TORCH_CHECK_VALUE(
+      format == d.end() || (format->value().isString() &&
+                            format->value().toStringRef() == "ddpx.PostLocalSGDState/1"),
+      kWho, ".load_state_dict: not a ddpx PostLocalSGDState state_dict");
   const c10::IValue iter = get("iter");
   const c10::IValue start = get("start_localSGD_iter");
   const c10::IValue allreduce = get("post_local_gradient_allreduce");

@@ -1,11 +1,10 @@
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
 #include <ddpx/hooks/powersgd_hook.h>
 
 #include <algorithm>
 #include <cmath>
-
-#include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <c10/util/Exception.h>
 
 #include "comm/exchange.h"
 #include "hooks/hook_utils.h"
@@ -23,12 +22,12 @@ using detail::BucketLayout;
 using detail::CompMatrix;
 using detail::PowerSGDJob;
 using detail::PowerSGDMemory;
+using ops::error_feedback_apply_;
 using ops::lowrank_project_;
 using ops::lowrank_project_t_;
 using ops::lowrank_reconstruct_;
 using ops::MatrixPack;
 using ops::orthogonalize_;
-using ops::error_feedback_apply_;
 using ops::scaled_cast;
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
@@ -56,8 +55,7 @@ std::string join_keys(const std::vector<int64_t>& keys) {
 // Fills `dst` (a view) from the first memory found: live per-key memory, then a restored one.
 // Returns whether one was found with the right number of elements.
 template <typename Key>
-bool claim_memory(const Key& key, const at::Tensor& dst,
-                  std::unordered_map<Key, at::Tensor>& live,
+bool claim_memory(const Key& key, const at::Tensor& dst, std::unordered_map<Key, at::Tensor>& live,
                   std::unordered_map<Key, at::Tensor>& restored) {
   auto it = live.find(key);
   if (it != live.end() && it->second.numel() == dst.numel()) {
@@ -237,7 +235,8 @@ void randomize_q(PowerSGDState& st, BucketLayout& L, bool batch_same_shape) {
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
   const auto cpu = at::TensorOptions().dtype(L.wire_dtype).device(at::kCPU);
   const bool on_gpu = !L.q_factors.device().is_cpu();
-  at::Tensor staged = at::empty({L.q_factors.numel()}, cpu.dtype(L.q_factors.scalar_type()).pinned_memory(on_gpu));
+  at::Tensor staged =
+      at::empty({L.q_factors.numel()}, cpu.dtype(L.q_factors.scalar_type()).pinned_memory(on_gpu));
   int64_t covered = 0;
   auto fill = [&](int64_t off, int64_t numel) {
     staged.narrow(0, off, numel).copy_(at::randn({numel}, gen, cpu));
@@ -268,7 +267,8 @@ at::Tensor matrix_of(const PowerSGDJob& job, const CompMatrix& c) {
   return job.work.narrow(0, L.offsets[c.index], c.rows * c.cols).view({c.rows, c.cols});
 }
 at::Tensor p_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
-  return L.round_one.narrow(0, L.uncompressed_numel + c.p_offset, count * c.rows * c.rank).view({count, c.rows, c.rank});
+  return L.round_one.narrow(0, L.uncompressed_numel + c.p_offset, count * c.rows * c.rank)
+      .view({count, c.rows, c.rank});
 }
 at::Tensor q_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
   return L.q_factors.narrow(0, c.q_offset, count * c.cols * c.rank).view({count, c.cols, c.rank});
@@ -295,8 +295,8 @@ void for_each_item(const PowerSGDJob& job, F&& f) {
 // Round one: compensate, draw or orthogonalise Q, P = MQ, and start the allreduce of
 // [uncompressed | Ps] (layer-wise) or P (batched).
 std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::GradBucket& bucket,
-                                            const std::vector<int64_t>& keys,
-                                            const at::Tensor& input, bool batched) {
+                                             const std::vector<int64_t>& keys,
+                                             const at::Tensor& input, bool batched) {
   const auto& o = st.options();
   auto job = std::make_shared<PowerSGDJob>();
   job->layout = layout_for(st, bucket, keys, input, batched);
@@ -345,8 +345,8 @@ std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::Grad
         for (size_t k = g.first; k < g.second; ++k) mats.push_back(matrix_of(*job, L.comp[k]));
         if (!L.stacked[gi].defined()) {
           const CompMatrix& c = L.comp[g.first];
-          L.stacked[gi] = at::empty({static_cast<int64_t>(mats.size()), c.rows, c.cols},
-                                    job->work.options());
+          L.stacked[gi] =
+              at::empty({static_cast<int64_t>(mats.size()), c.rows, c.cols}, job->work.options());
         }
         at::stack_out(L.stacked[gi], mats);
       }
@@ -361,7 +361,8 @@ std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::Grad
     }
   }
   // P (and the uncompressed values) travel in the bucket's dtype.
-  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.round_one : scaled_cast(L.round_one, L.wire_dtype, 1.0);
+  at::Tensor wire =
+      L.wire_dtype == L.compute_dtype ? L.round_one : scaled_cast(L.round_one, L.wire_dtype, 1.0);
   job->round1 = sum_into(st.process_group(), wire, L.round_one, 1.0, ExchangeMode::kAuto);
   return job;
 }
@@ -390,8 +391,7 @@ void finish(PowerSGDJob& job) {
 
 // Waits for round one of `job`, then starts round two (Q = M^T P, allreduced); the job's result
 // completes when round two has been decompressed.
-void start_round_two(const ProcessGroupPtr& pg,
-                     const std::shared_ptr<PowerSGDJob>& job) {
+void start_round_two(const ProcessGroupPtr& pg, const std::shared_ptr<PowerSGDJob>& job) {
   BucketLayout& L = *job->layout;
   job->round1->wait();
   job->round1->value();  // rethrows a failed round one
@@ -417,7 +417,8 @@ void start_round_two(const ProcessGroupPtr& pg,
       lowrank_project_t_(m, p, q);
     });
   }
-  at::Tensor wire = L.wire_dtype == L.compute_dtype ? L.q_factors : scaled_cast(L.q_factors, L.wire_dtype, 1.0);
+  at::Tensor wire =
+      L.wire_dtype == L.compute_dtype ? L.q_factors : scaled_cast(L.q_factors, L.wire_dtype, 1.0);
   // The sum, then a division by the world size as torch's hook does (`div_(world_size)`): the
   // same rounding as torch for any world size, where a multiplication by 1/W differs in the last
   // bit unless W is a power of two (review N1); no in-place scaled_cast either (review B4).
@@ -431,7 +432,8 @@ void start_round_two(const ProcessGroupPtr& pg,
       BucketLayout& L = *job->layout;
       L.q_factors.div_(job->world);
       if (job->batched) {
-        lowrank_reconstruct_(L.round_one.view({1, L.side, L.rank}), L.q_factors.view({1, L.side, L.rank}),
+        lowrank_reconstruct_(L.round_one.view({1, L.side, L.rank}),
+                             L.q_factors.view({1, L.side, L.rank}),
                              L.padded.view({1, L.side, L.side}));
       } else {
         for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {

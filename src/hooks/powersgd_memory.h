@@ -7,14 +7,14 @@
 // new process; layouts are keyed by bucket index and rebuilt when a bucket's parameters change.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
 
 #include "comm/deferred.h"
 #include "ops/orthogonalize.h"

@@ -1,11 +1,10 @@
-#include <ddpx/hooks/powersgd_state.h>
-
-#include <sstream>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
+#include <ddpx/hooks/powersgd_state.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+
+#include <sstream>
 
 #include "hooks/powersgd_memory.h"
 
@@ -13,8 +12,8 @@ namespace ddpx {
 namespace hooks {
 
 void PowerSGDOptions::validate() const {
-  TORCH_CHECK_VALUE(matrix_approximation_rank >= 1,
-                    "matrix_approximation_rank must be >= 1, got ", matrix_approximation_rank);
+  TORCH_CHECK_VALUE(matrix_approximation_rank >= 1, "matrix_approximation_rank must be >= 1, got ",
+                    matrix_approximation_rank);
   TORCH_CHECK_VALUE(min_compression_rate >= 0, "min_compression_rate must be >= 0, got ",
                     min_compression_rate);
   TORCH_CHECK_VALUE(orthogonalization_epsilon >= 0, "orthogonalization_epsilon must be >= 0, got ",
@@ -53,8 +52,7 @@ void NumpyRandint::deserialize(const std::string& text) {
   engine_ = engine;
 }
 
-PowerSGDState::PowerSGDState(ProcessGroupPtr process_group,
-                             PowerSGDOptions options,
+PowerSGDState::PowerSGDState(ProcessGroupPtr process_group, PowerSGDOptions options,
                              std::function<void(const std::string&)> logger)
     : pg_(std::move(process_group)),
       options_(options),
@@ -72,8 +70,7 @@ PowerSGDState::PowerSGDState(ProcessGroupPtr process_group,
      << "; orthogonalization_epsilon = " << options_.orthogonalization_epsilon
      << "; use_error_feedback = " << options_.use_error_feedback
      << "; warm_start = " << options_.warm_start << "; random_seed = " << options_.random_seed
-     << "; compression_stats_logging_frequency = "
-     << options_.compression_stats_logging_frequency
+     << "; compression_stats_logging_frequency = " << options_.compression_stats_logging_frequency
      << "; batch_tensors_with_same_shape = " << options_.batch_tensors_with_same_shape;
   log(os.str());
 }
@@ -129,9 +126,8 @@ void PowerSGDState::maybe_report_stats(bool bucket_is_last) {
   if (!bucket_is_last || iter_ < next_stats_report_) return;
   auto stats = compression_stats();
   std::ostringstream os;
-  os << "Compression stats: iter " << iter_ << ", total before compression "
-     << std::get<1>(stats) << ", total after compression " << std::get<2>(stats) << ", rate "
-     << std::get<0>(stats);
+  os << "Compression stats: iter " << iter_ << ", total before compression " << std::get<1>(stats)
+     << ", total after compression " << std::get<2>(stats) << ", rate " << std::get<0>(stats);
   log(os.str());
   next_stats_report_ = iter_ + options_.compression_stats_logging_frequency;
 }

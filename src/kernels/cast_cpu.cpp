@@ -4,15 +4,14 @@
 // store an fp32 block into any dtype. The fp16 primitives use F16C (8 lanes per instruction)
 // when the CPU has it, chosen once at run time; the portable fallbacks are branch-free bit
 // manipulations that GCC auto-vectorises. bf16 is a 16-bit shift either way.
-#include "cast.h"
-
-#include "convert_inl.h"
-
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "cast.h"
+#include "convert_inl.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -42,7 +41,7 @@ void store_half_portable(const float* in, uint16_t* dst, int64_t n) {
 
 #ifdef DDPX_X86
 __attribute__((target("avx,f16c"))) void load_half_f16c(const uint16_t* src, float* out,
-                                                          int64_t n) {
+                                                        int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -51,7 +50,7 @@ __attribute__((target("avx,f16c"))) void load_half_f16c(const uint16_t* src, flo
   for (; i < n; ++i) out[i] = detail::half_to_float(src[i]);
 }
 __attribute__((target("avx,f16c"))) void store_half_f16c(const float* in, uint16_t* dst,
-                                                           int64_t n) {
+                                                         int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
@@ -267,7 +266,8 @@ void sum_rows_cpu(const void* src, DType src_t, int64_t rows, int64_t n, void* d
   std::vector<const void*> ptrs(static_cast<size_t>(rows));
   const size_t row_bytes = static_cast<size_t>(n > 0 ? n : 0) * dtype_size(src_t);
   for (int64_t r = 0; r < rows; ++r) {
-    ptrs[static_cast<size_t>(r)] = static_cast<const char*>(src) + static_cast<size_t>(r) * row_bytes;
+    ptrs[static_cast<size_t>(r)] =
+        static_cast<const char*>(src) + static_cast<size_t>(r) * row_bytes;
   }
   sum_row_ptrs_cpu(ptrs.data(), src_t, rows, n, dst, dst_t, scale);
 }

@@ -1,13 +1,12 @@
 // CUDA implementation of the compression kernels: one fused pass per call (load, scale,
 // accumulate, convert, store), grid-stride loops, on the caller's stream.
-#include "cast_cuda.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <stdexcept>
 #include <string>
 
+#include "cast_cuda.h"
 #include "cuda_check.h"
 
 namespace ddpx {
@@ -43,9 +42,9 @@ struct Conv<__nv_bfloat16> {
 
 // fp64 when either side is fp64, else fp32.
 template <typename S, typename D>
-using AccT = typename std::conditional<std::is_same<S, double>::value ||
-                                           std::is_same<D, double>::value,
-                                       double, float>::type;
+using AccT =
+    typename std::conditional<std::is_same<S, double>::value || std::is_same<D, double>::value,
+                              double, float>::type;
 
 // Vector of kVec elements loaded or stored as one transaction (16 bytes for fp32 x 4, 8 bytes
 // for 16-bit x 4). Used only when both pointers are aligned to their vector size.
@@ -97,9 +96,7 @@ __global__ void sum_rows_kernel(const S* __restrict__ src, int64_t rows, int64_t
   }
 }
 
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 int grid_for(int64_t work, int threads) {
   int device = 0, sms = 0;
@@ -144,8 +141,8 @@ void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int6
       using D = std::remove_pointer_t<decltype(d_tag)>;
       const bool vec = aligned(src, sizeof(S) * kVec) && aligned(dst, sizeof(D) * kVec);
       const int grid = grid_for((n + kVec - 1) / kVec, kThreads);
-      scaled_cast_kernel<S, D><<<grid, kThreads, 0, stream>>>(
-          static_cast<const S*>(src), static_cast<D*>(dst), n, scale, vec);
+      scaled_cast_kernel<S, D><<<grid, kThreads, 0, stream>>>(static_cast<const S*>(src),
+                                                              static_cast<D*>(dst), n, scale, vec);
       DDPX_CUDA_CHECK(cudaGetLastError());
     });
   });
@@ -161,7 +158,7 @@ void sum_rows_cuda(const void* src, DType src_t, int64_t rows, int64_t n, void* 
       using D = std::remove_pointer_t<decltype(d_tag)>;
       const int grid = grid_for(n, kThreads);
       sum_rows_kernel<S, D><<<grid, kThreads, 0, stream>>>(static_cast<const S*>(src), rows, n,
-                                                            static_cast<D*>(dst), scale);
+                                                           static_cast<D*>(dst), scale);
       DDPX_CUDA_CHECK(cudaGetLastError());
     });
   });

@@ -3,9 +3,9 @@
 // caller's current stream). Errors in the launch are raised as std::runtime_error.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 #include "cast.h"
 

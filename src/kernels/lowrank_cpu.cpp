@@ -2,10 +2,10 @@
 // every inner loop runs over a contiguous row of M; the loops are written for the compiler's
 // vectoriser (`omp simd` reductions, compiled with -fopenmp-simd), and each kernel is cloned for
 // AVX2+FMA with a baseline fallback chosen at load time.
-#include "lowrank.h"
-
 #include <cstddef>
 #include <vector>
+
+#include "lowrank.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DDPX_CLONES __attribute__((target_clones("arch=haswell", "default")))
@@ -91,7 +91,9 @@ inline void ef_apply(T* in, T* err, int64_t n) {
 
 }  // namespace
 
-DDPX_CLONES void error_feedback_apply_cpu(float* in, float* err, int64_t n) { ef_apply(in, err, n); }
+DDPX_CLONES void error_feedback_apply_cpu(float* in, float* err, int64_t n) {
+  ef_apply(in, err, n);
+}
 DDPX_CLONES void error_feedback_apply_cpu(double* in, double* err, int64_t n) {
   ef_apply(in, err, n);
 }

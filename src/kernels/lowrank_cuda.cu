@@ -1,8 +1,7 @@
 // PowerSGD's error-feedback application on CUDA (the products themselves run as cuBLAS batched
 // GEMMs through at::bmm in the ATen layer).
-#include "lowrank_cuda.h"
-
 #include "cuda_check.h"
+#include "lowrank_cuda.h"
 
 namespace ddpx {
 namespace kernels {
@@ -13,7 +12,8 @@ constexpr int kThreads = 256;
 template <typename T>
 __global__ void ef_apply_kernel(T* __restrict__ in, T* __restrict__ err, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
     const T v = err[i] + in[i];
     err[i] = v;
     in[i] = v;

@@ -4,9 +4,9 @@
 // error-feedback application has a kernel of its own here.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 namespace ddpx {
 namespace kernels {

@@ -1,6 +1,6 @@
-#include "orthogonalize.h"
-
 #include <cmath>
+
+#include "orthogonalize.h"
 
 namespace ddpx {
 namespace kernels {

@@ -2,9 +2,9 @@
 // all matrices (one thread block per matrix). `offsets`, `rows`, `cols` are DEVICE arrays.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 namespace ddpx {
 namespace kernels {

@@ -49,8 +49,8 @@ kernels::DType to_kernel_dtype(at::ScalarType t, const char* what) {
 at::Tensor scaled_cast(const at::Tensor& src, at::ScalarType dtype, double scale) {
   TORCH_CHECK(src.defined(), "ddpx::ops::scaled_cast: src must be defined");
   // Checked before contiguous(): torch 2.x raises an unrelated message for a sparse tensor there.
-  TORCH_CHECK(src.layout() == at::kStrided, "ddpx::ops::scaled_cast: sparse tensors are not supported, got ",
-              src.layout());
+  TORCH_CHECK(src.layout() == at::kStrided,
+              "ddpx::ops::scaled_cast: sparse tensors are not supported, got ", src.layout());
   at::Tensor dst = at::empty({src.numel()}, src.options().dtype(dtype));
   scaled_cast_into(src.contiguous(), dst, scale);
   return dst;
@@ -71,13 +71,13 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
 #endif
     return;
   }
-  kernels::scaled_cast_cpu(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(),
-                           scale);
+  kernels::scaled_cast_cpu(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(), scale);
 }
 
 void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
   check_pair(src, dst, "ddpx::ops::sum_rows_into");
-  TORCH_CHECK(src.dim() == 2, "ddpx::ops::sum_rows_into: src must be 2-D [rows, n], got ", src.sizes());
+  TORCH_CHECK(src.dim() == 2, "ddpx::ops::sum_rows_into: src must be 2-D [rows, n], got ",
+              src.sizes());
   TORCH_CHECK(src.size(0) >= 1, "ddpx::ops::sum_rows_into: src must have at least one row");
   TORCH_CHECK(src.size(1) == dst.numel(), "ddpx::ops::sum_rows_into: src rows have ", src.size(1),
               " elements but dst has ", dst.numel());
@@ -92,8 +92,7 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
 #endif
     return;
   }
-  kernels::sum_rows_cpu(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt,
-                        scale);
+  kernels::sum_rows_cpu(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt, scale);
 }
 
 void sum_row_list_into(const std::vector<at::Tensor>& rows, const at::Tensor& dst, double scale) {
@@ -102,7 +101,8 @@ void sum_row_list_into(const std::vector<at::Tensor>& rows, const at::Tensor& ds
   ptrs.reserve(rows.size());
   for (const at::Tensor& r : rows) {
     check_pair(r, dst, "ddpx::ops::sum_row_list_into");
-    TORCH_CHECK(r.device().is_cpu(), "ddpx::ops::sum_row_list_into: CPU tensors only, got ", r.device());
+    TORCH_CHECK(r.device().is_cpu(), "ddpx::ops::sum_row_list_into: CPU tensors only, got ",
+                r.device());
     TORCH_CHECK(r.numel() == dst.numel() && r.scalar_type() == rows[0].scalar_type(),
                 "ddpx::ops::sum_row_list_into: rows must match dst in size and share one dtype");
     ptrs.push_back(r.data_ptr());

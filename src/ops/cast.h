@@ -2,9 +2,9 @@
 // device, and launches CUDA work on the current stream of the tensors' device.
 #pragma once
 
-#include <vector>
-
 #include <ATen/core/Tensor.h>
+
+#include <vector>
 
 #include "kernels/cast.h"
 

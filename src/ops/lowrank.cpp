@@ -1,13 +1,12 @@
 #include "ops/lowrank.h"
 
-#include <initializer_list>
-
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
-#include "kernels/lowrank.h"
+#include <initializer_list>
 
+#include "kernels/lowrank.h"
 #include "ops/cuda_launch.h"
 
 #ifdef DDPX_WITH_CUDA

@@ -1,10 +1,10 @@
 #include "ops/orthogonalize.h"
 
-#include <algorithm>
-
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
 
 #include "kernels/orthogonalize.h"
 
@@ -37,8 +37,10 @@ MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
 
 MatrixPack MatrixPack::back_to_back(std::vector<int64_t> rows, std::vector<int64_t> cols,
                                     const at::Device& device, int64_t first) {
-  TORCH_CHECK(rows.size() == cols.size(), "MatrixPack: rows and cols must have the same length, "
-              "got ", rows.size(), " and ", cols.size());
+  TORCH_CHECK(rows.size() == cols.size(),
+              "MatrixPack: rows and cols must have the same length, "
+              "got ",
+              rows.size(), " and ", cols.size());
   std::vector<int64_t> offsets;
   offsets.reserve(rows.size());
   for (size_t k = 0; k < rows.size(); ++k) {
@@ -49,7 +51,8 @@ MatrixPack MatrixPack::back_to_back(std::vector<int64_t> rows, std::vector<int64
 }
 
 void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon) {
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "orthogonalize_: expected a contiguous 1-D buffer");
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(),
+              "orthogonalize_: expected a contiguous 1-D buffer");
   if (pack.count() == 0) return;
   // An out-of-bounds write on the GPU would leave a sticky error in the CUDA context.
   TORCH_CHECK(pack.extent() <= flat.numel(), "orthogonalize_: the matrices extend to element ",
@@ -77,8 +80,8 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
 #endif
       return;
     }
-    kernels::orthogonalize_cpu(flat.data_ptr<scalar_t>(), pack.offsets().data(),
-                               pack.rows().data(), pack.cols().data(), pack.count(), eps);
+    kernels::orthogonalize_cpu(flat.data_ptr<scalar_t>(), pack.offsets().data(), pack.rows().data(),
+                               pack.cols().data(), pack.count(), eps);
   });
 }
 

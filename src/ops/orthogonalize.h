@@ -2,10 +2,10 @@
 // packed in one buffer. CPU or CUDA by the buffer's device (CUDA on the current stream).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
 
 namespace ddpx {
 namespace ops {

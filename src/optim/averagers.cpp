@@ -1,6 +1,5 @@
-#include <ddpx/optim/averagers.h>
-
 #include <c10/util/Exception.h>
+#include <ddpx/optim/averagers.h>
 #include <torch/optim/optimizer.h>
 
 namespace ddpx {
@@ -50,8 +49,7 @@ void ModelAverager::average_with(const std::vector<at::Tensor>& params,
 }
 
 PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_steps,
-                                             ProcessGroupPtr process_group,
-                                             AverageOptions options)
+                                             ProcessGroupPtr process_group, AverageOptions options)
     : ModelAverager(std::move(process_group), options),
       period_(period),
       warmup_steps_(warmup_steps) {
@@ -88,8 +86,8 @@ HierarchicalModelAverager::HierarchicalModelAverager(
   }
   for (size_t i = 0; i < period_groups_.size(); ++i) {
     for (size_t j = i + 1; j < period_groups_.size(); ++j) {
-      TORCH_CHECK_VALUE(period_groups_[i].first != period_groups_[j].first, who,
-                        ": period ", period_groups_[i].first, " appears twice");
+      TORCH_CHECK_VALUE(period_groups_[i].first != period_groups_[j].first, who, ": period ",
+                        period_groups_[i].first, " appears twice");
     }
   }
   TORCH_CHECK_TYPE(process_group_, who, ": process_group must be a ProcessGroup, got null");

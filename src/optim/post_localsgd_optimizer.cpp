@@ -1,7 +1,6 @@
-#include <ddpx/optim/post_localsgd_optimizer.h>
-
-#include <ddpx/common/compat.h>
 #include <c10/util/Exception.h>
+#include <ddpx/common/compat.h>
+#include <ddpx/optim/post_localsgd_optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -21,9 +20,7 @@ at::Tensor PostLocalSGDOptimizer::step(torch::optim::Optimizer::LossClosure clos
   return loss;
 }
 
-void PostLocalSGDOptimizer::zero_grad(bool set_to_none) {
-  compat::zero_grad(*optim_, set_to_none);
-}
+void PostLocalSGDOptimizer::zero_grad(bool set_to_none) { compat::zero_grad(*optim_, set_to_none); }
 
 void PostLocalSGDOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
   optim_->add_param_group(group);
@@ -50,8 +47,9 @@ void PostLocalSGDOptimizer::load(torch::serialize::InputArchive& archive) {
                      "' must be an int, got ", step.tagKind());
     averager_->set_step(step.toInt());
   } else {
-    TORCH_WARN("Loaded state dict does not contain a step counter for an averager. "
-               "Setting step counter to 0.");
+    TORCH_WARN(
+        "Loaded state dict does not contain a step counter for an averager. "
+        "Setting step counter to 0.");
     averager_->set_step(0);
   }
 }

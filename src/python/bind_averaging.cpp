@@ -1,12 +1,10 @@
 // Bindings of parameter averaging and the model averagers. The Python classes in
 // ddpx/model_averaging.py wrap them.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
-#include <torch/csrc/utils/pybind.h>
-
 #include <ddpx/comm/average.h>
 #include <ddpx/optim/averagers.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "bind_utils.h"
 
@@ -36,8 +34,7 @@ AverageOptions options_from_bytes(int64_t bucket_cap_bytes) {
 void bind_averaging(py::module& m) {
   m.def(
       "average_parameters",
-      [](const std::vector<at::Tensor>& params, const py::object& group,
-         int64_t bucket_cap_bytes) {
+      [](const std::vector<at::Tensor>& params, const py::object& group, int64_t bucket_cap_bytes) {
         const ProcessGroupPtr pg = optional_group(group);
         AverageStats stats;
         {
@@ -54,8 +51,8 @@ void bind_averaging(py::module& m) {
   py::class_<ModelAverager, std::shared_ptr<ModelAverager>>(
       m, "ModelAverager", "Native model averager base (see ddpx.model_averaging).")
       .def_property("step", &ModelAverager::step, &ModelAverager::set_step)
-      .def_property_readonly("process_group",
-                             [](const ModelAverager& a) { return group_or_none(a.process_group()); })
+      .def_property_readonly(
+          "process_group", [](const ModelAverager& a) { return group_or_none(a.process_group()); })
       .def_property(
           "bucket_cap_bytes", [](const ModelAverager& a) { return a.options().bucket_cap_bytes; },
           [](ModelAverager& a, int64_t bytes) { a.set_options(options_from_bytes(bytes)); })
@@ -73,32 +70,32 @@ void bind_averaging(py::module& m) {
 
   py::class_<PeriodicModelAverager, ModelAverager, std::shared_ptr<PeriodicModelAverager>>(
       m, "PeriodicModelAverager", "Native PeriodicModelAverager.")
-      .def(py::init([](int64_t period, int64_t warmup_steps, const py::object& group,
-                       int64_t bucket_cap_bytes) {
-             return with_py_warnings([&] {
-               return py_owned(new PeriodicModelAverager(period, warmup_steps,
-                                                         optional_group(group),
-                                                         options_from_bytes(bucket_cap_bytes)));
-             });
-           }),
-           py::arg("period"), py::arg("warmup_steps"), py::arg("process_group"),
-           py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes)
+      .def(
+          py::init([](int64_t period, int64_t warmup_steps, const py::object& group,
+                      int64_t bucket_cap_bytes) {
+            return with_py_warnings([&] {
+              return py_owned(new PeriodicModelAverager(period, warmup_steps, optional_group(group),
+                                                        options_from_bytes(bucket_cap_bytes)));
+            });
+          }),
+          py::arg("period"), py::arg("warmup_steps"), py::arg("process_group"),
+          py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes)
       .def_property_readonly("period", &PeriodicModelAverager::period)
       .def_property_readonly("warmup_steps", &PeriodicModelAverager::warmup_steps);
 
-  py::class_<HierarchicalModelAverager, ModelAverager,
-             std::shared_ptr<HierarchicalModelAverager>>(m, "HierarchicalModelAverager",
-                                                         "Native HierarchicalModelAverager.")
+  py::class_<HierarchicalModelAverager, ModelAverager, std::shared_ptr<HierarchicalModelAverager>>(
+      m, "HierarchicalModelAverager", "Native HierarchicalModelAverager.")
       .def(py::init([](const std::vector<std::pair<int64_t, py::object>>& levels,
-                       int64_t warmup_steps, const ProcessGroupPtr& group, int64_t bucket_cap_bytes) {
+                       int64_t warmup_steps, const ProcessGroupPtr& group,
+                       int64_t bucket_cap_bytes) {
              std::vector<std::pair<int64_t, ProcessGroupPtr>> period_groups;
              for (const auto& level : levels) {
                period_groups.emplace_back(level.first, optional_group(level.second));
              }
              return with_py_warnings([&] {
-               return py_owned(new HierarchicalModelAverager(
-                   std::move(period_groups), warmup_steps, group,
-                   options_from_bytes(bucket_cap_bytes)));
+               return py_owned(new HierarchicalModelAverager(std::move(period_groups), warmup_steps,
+                                                             group,
+                                                             options_from_bytes(bucket_cap_bytes)));
              });
            }),
            py::arg("period_groups"), py::arg("warmup_steps"), py::arg("process_group"),

@@ -1,19 +1,18 @@
 // Bindings of the default hooks, the CommHook base and native registration on DDP's Reducer.
 // The Python functions in ddpx/hooks/default_hooks.py and the machinery in ddpx/hooks/_native.py
 // wrap them.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
-#include <torch/csrc/distributed/c10d/reducer.hpp>
-#include <torch/csrc/jit/python/pybind_utils.h>
-#include <torch/csrc/utils/pybind.h>
-
 #include <ddpx/common/compat.h>
 #include <ddpx/hooks/allreduce_hook.h>
 #include <ddpx/hooks/comm_hook.h>
 #include <ddpx/hooks/compress_hook.h>
 #include <ddpx/hooks/compress_wrapper.h>
 #include <ddpx/hooks/noop_hook.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include "bind_utils.h"
 
@@ -50,8 +49,7 @@ void bind_hooks(py::module& m) {
       .def("run", &run_hook, py::arg("bucket"),
            "Runs the hook on a dist.GradBucket; returns a torch.futures.Future whose value is "
            "the averaged gradient tensor.")
-      .def("__repr__",
-           [](const CommHook& h) { return "<ddpx._C.CommHook " + h.name() + ">"; });
+      .def("__repr__", [](const CommHook& h) { return "<ddpx._C.CommHook " + h.name() + ">"; });
 
   m.def(
       "allreduce_hook",
@@ -62,8 +60,7 @@ void bind_hooks(py::module& m) {
       "Native allreduce_hook over `process_group`.");
   m.def(
       "compress_hook",
-      [](const ProcessGroupPtr& pg, const py::object& dtype, ExchangeMode exchange)
-          -> CommHookPtr {
+      [](const ProcessGroupPtr& pg, const py::object& dtype, ExchangeMode exchange) -> CommHookPtr {
         return py_owned<CommHook>(new hooks::CompressHook(pg, to_dtype(dtype, "dtype"), exchange));
       },
       py::arg("process_group"), py::arg("dtype"), py::arg("exchange") = ExchangeMode::kAuto,

@@ -1,9 +1,8 @@
 // Bindings of the compression kernels' ATen layer, for the kernel tests and benchmarks
 // (tests/python/test_kernels.py, benchmarks/bench_kernels.py): not part of the hooks' API.
+#include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
-#include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "bind_utils.h"

@@ -1,12 +1,10 @@
 // Bindings of post-local SGD: PostLocalSGDState and post_localSGD_hook. The Python classes in
 // ddpx/hooks/post_localSGD_hook.py wrap them.
+#include <ddpx/hooks/post_localsgd_hook.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
 #include <torch/csrc/utils/pybind.h>
-
-#include <ddpx/hooks/post_localsgd_hook.h>
 
 #include "bind_utils.h"
 

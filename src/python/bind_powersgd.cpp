@@ -1,13 +1,11 @@
 // Bindings of PowerSGD: PowerSGDOptions, PowerSGDState and the two hooks. The Python classes in
 // ddpx/hooks/powerSGD_hook.py wrap them.
+#include <ddpx/hooks/powersgd_hook.h>
+#include <ddpx/hooks/powersgd_state.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
 #include <torch/csrc/utils/pybind.h>
-
-#include <ddpx/hooks/powersgd_hook.h>
-#include <ddpx/hooks/powersgd_state.h>
 
 #include "bind_utils.h"
 

@@ -2,17 +2,16 @@
 // warnings, and the checkpoint methods every native state binds the same way.
 #pragma once
 
-#include <memory>
-#include <string>
-
-#include <pybind11/pybind11.h>
-
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/ScalarType.h>
 #include <ddpx/common/process_group.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <memory>
+#include <string>
 
 namespace ddpx {
 namespace python {
@@ -60,9 +59,10 @@ auto with_py_warnings(F&& f) -> decltype(f()) {
 // `c10::impl::GenericDict state_dict() const` and `void load_state_dict(const GenericDict&)`.
 template <typename State, typename... Options>
 void def_state_dict(py::class_<State, Options...>& cls) {
-  cls.def("state_dict",
-          [](const State& s) { return torch::jit::toPyObject(c10::IValue(s.state_dict())); },
-          "The state to checkpoint, as a dict (no process groups).")
+  cls.def(
+         "state_dict",
+         [](const State& s) { return torch::jit::toPyObject(c10::IValue(s.state_dict())); },
+         "The state to checkpoint, as a dict (no process groups).")
       .def(
           "load_state_dict",
           [](State& s, const py::object& d) {

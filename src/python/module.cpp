@@ -1,9 +1,8 @@
 // pybind11 bindings: the module ddpx._C. Thin by design: argument names, docstrings, GIL
 // handling and type conversion only; every behaviour lives in the C++ library. One binding unit
 // per area (bind_*.cpp); shared helpers in bind_utils.
-#include <pybind11/pybind11.h>
-
 #include <ddpx/common/compat.h>
+#include <pybind11/pybind11.h>
 
 #include "bind_utils.h"
 

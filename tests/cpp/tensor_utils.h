@@ -14,9 +14,9 @@ namespace ddpx_test {
 inline ::testing::AssertionResult bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << "undefined tensor";
   if (a.scalar_type() != b.scalar_type() || a.numel() != b.numel()) {
-    return ::testing::AssertionFailure() << "dtype/size differ: " << a.scalar_type() << "["
-                                         << a.numel() << "] vs " << b.scalar_type() << "["
-                                         << b.numel() << "]";
+    return ::testing::AssertionFailure()
+           << "dtype/size differ: " << a.scalar_type() << "[" << a.numel() << "] vs "
+           << b.scalar_type() << "[" << b.numel() << "]";
   }
   const at::Tensor ca = a.contiguous(), cb = b.contiguous();
   if (std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) != 0) {

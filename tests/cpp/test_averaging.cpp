@@ -19,9 +19,9 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <ddpx/comm/average.h>
 #include <ddpx/comm/bucketed.h>
-#include <ddpx/optim/averagers.h>
 #include <ddpx/hooks.h>
 #include <ddpx/hooks/post_localsgd_hook.h>
+#include <ddpx/optim/averagers.h>
 #include <ddpx/optim/post_localsgd_optimizer.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -120,8 +120,6 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   }
   return ::testing::AssertionSuccess();
 }
-
-
 
 // Collects TORCH_WARN messages issued on this thread while alive (c10's handler is
 // thread-local).
@@ -449,9 +447,10 @@ TEST(AverageParameters, ExtraMemoryIsAboutTwoBuckets) {
     ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
       std::vector<at::Tensor> tensors;
       for (int k = 0; k < 64; ++k) {
-        at::Tensor t = c.strided ? at::empty({c.shape[0], 2 * c.shape[1]}, c.dtype)
-                                       .slice(1, 0, 2 * c.shape[1], 2)
-                                 : at::empty(c.shape, c.dtype);
+        at::Tensor t =
+            c.strided
+                ? at::empty({c.shape[0], 2 * c.shape[1]}, c.dtype).slice(1, 0, 2 * c.shape[1], 2)
+                : at::empty(c.shape, c.dtype);
         if (c.transposed) t = t.t();
         fill(t, dyadic_input(1100 + k, rank, 2, t.numel()));
         tensors.push_back(t);

@@ -37,15 +37,15 @@ using ::testing::HasSubstr;
 std::vector<at::Tensor> broadcast_inputs(int rank) {
   at::manual_seed(1000 + rank);
   std::vector<at::Tensor> t;
-  t.push_back(at::randn({40}, at::kFloat));                        // in place, > a bucket
-  t.push_back(at::randn({3}, at::kFloat));                         // staged
-  t.push_back(at::randn({5, 7}, at::kDouble).t());                 // dense transpose
-  t.push_back(at::randn({50}, at::kHalf));                         // fp16 (no sum: own dtype)
-  t.push_back(at::randn({9}, at::kBFloat16));                      // bf16
-  t.push_back(at::randint(-1000, 1000, {33}, at::kLong));          // integers travel exactly
+  t.push_back(at::randn({40}, at::kFloat));                // in place, > a bucket
+  t.push_back(at::randn({3}, at::kFloat));                 // staged
+  t.push_back(at::randn({5, 7}, at::kDouble).t());         // dense transpose
+  t.push_back(at::randn({50}, at::kHalf));                 // fp16 (no sum: own dtype)
+  t.push_back(at::randn({9}, at::kBFloat16));              // bf16
+  t.push_back(at::randint(-1000, 1000, {33}, at::kLong));  // integers travel exactly
   t.push_back(at::randint(0, 100, {6}, at::kInt));
-  t.push_back(at::randn({64, 3}, at::kFloat).slice(1, 0, 3, 2));   // strided, non-dense
-  t.push_back(at::randn({0}, at::kFloat));                         // empty
+  t.push_back(at::randn({64, 3}, at::kFloat).slice(1, 0, 3, 2));  // strided, non-dense
+  t.push_back(at::randn({0}, at::kFloat));                        // empty
   return t;
 }
 

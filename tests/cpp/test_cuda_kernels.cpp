@@ -2,10 +2,6 @@
 // bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical NaNs).
 // Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
 #include <cuda_runtime_api.h>
-
-#include "cuda_test_utils.h"
-#include "kernels/cast.h"
-#include "kernels/cast_cuda.h"
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +13,10 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "cuda_test_utils.h"
+#include "kernels/cast.h"
+#include "kernels/cast_cuda.h"
 
 namespace {
 
@@ -162,8 +162,7 @@ TEST_P(ScaledCastCuda, MatchesCpuBitForBit) {
       char* d = static_cast<char*>(d_dst.ptr) + dst_off * esize(dst_t());
       // On the kernels' stream (review T1: a pageable cudaMemcpy is not ordered before work on a
       // non-blocking stream).
-      DDPX_ASSERT_CUDA(
-          cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
+      DDPX_ASSERT_CUDA(cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
       for (float scale : {1.0f, 1.0f / 3.0f, -0.25f}) {
         std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
         k::scaled_cast_cpu(src.data(), src_t(), cpu.data(), dst_t(), count, scale);
@@ -197,8 +196,7 @@ TEST_P(SumRowsCuda, MatchesCpuBitForBit) {
       char* d = static_cast<char*>(d_dst.ptr) + off * esize(dst_t());
       // On the kernels' stream (review T1: a pageable cudaMemcpy is not ordered before work on a
       // non-blocking stream).
-      DDPX_ASSERT_CUDA(
-          cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
+      DDPX_ASSERT_CUDA(cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
       for (float scale : {1.0f, 1.0f / 3.0f}) {
         std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
         k::sum_rows_cpu(src.data(), src_t(), rows, count, cpu.data(), dst_t(), scale);

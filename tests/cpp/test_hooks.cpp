@@ -170,7 +170,6 @@ Expected expected_mean(uint64_t test_seed, int world, int64_t n, at::ScalarType 
   return e;
 }
 
-
 // Checks `got` against `want` within factor * S_i per element; reports the worst element.
 void expect_close(const at::Tensor& got, const Expected& want, double factor,
                   const std::string& what) {
@@ -302,7 +301,6 @@ c10::intrusive_ptr<c10::ivalue::Future> run_fp16_hook(const ProcessGroupPtr& pg,
   fut->wait();
   return fut;
 }
-
 
 // fp16_compress_hook divides *before* casting. Rank 0 holds gradients in [1.2, 1.5) * W * 32752
 // (>= 65520 for W >= 2: they overflow fp16 unless divided by W first), the other ranks ordinary
@@ -622,8 +620,7 @@ TEST(HookErrors, FailedCollectiveFailsEveryHookPath) {
     auto fut = c.hook->runHook(bucket->get());
     fut->wait();
     ASSERT_TRUE(fut->hasError()) << c.what << ": the collective failed, the future did not";
-    EXPECT_THAT(fut->tryRetrieveErrorMessage(), HasSubstr("injected collective failure"))
-        << c.what;
+    EXPECT_THAT(fut->tryRetrieveErrorMessage(), HasSubstr("injected collective failure")) << c.what;
   }
 }
 

@@ -6,7 +6,6 @@
 // has to be a NaN (payloads legitimately differ between F16C, the portable code and c10).
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include "kernels/cast.h"
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -19,6 +18,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "kernels/cast.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // Tests of PowerSGD's compute kernels: the batched Gram-Schmidt (kernels::orthogonalize_cpu /
-// orthogonalize_cuda, ddpx::ops::orthogonalize_ over a MatrixPack) and the fused error-feedback update
-// (error_feedback_apply_ / error_feedback_apply_cuda).
+// orthogonalize_cuda, ddpx::ops::orthogonalize_ over a MatrixPack) and the fused error-feedback
+// update (error_feedback_apply_ / error_feedback_apply_cuda).
 //
 // References: torch's QR (at::linalg_qr, column signs fixed so that R has a positive diagonal,
 // which is the factor Gram-Schmidt produces) for epsilon == 0, and torch's own
@@ -15,10 +15,6 @@
 // report as skipped when ddpx was built without nvcc.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include "kernels/orthogonalize.h"
-#include "ops/lowrank.h"
-#include "ops/orthogonalize.h"
-#include "tensor_utils.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -33,6 +29,11 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#include "kernels/orthogonalize.h"
+#include "ops/lowrank.h"
+#include "ops/orthogonalize.h"
+#include "tensor_utils.h"
 
 #ifdef DDPX_TEST_CUDA_KERNELS
 #include <cuda_runtime_api.h>
@@ -412,7 +413,6 @@ at::Tensor flat_tensor(const std::vector<double>& values, at::ScalarType dtype) 
   std::memcpy(t.data_ptr<double>(), values.data(), values.size() * sizeof(double));
   return t.to(dtype);
 }
-
 
 // orthogonalize_ is the kernel on fp32/fp64 buffers, and fp32 arithmetic rounded back for
 // 16-bit buffers: bit for bit.

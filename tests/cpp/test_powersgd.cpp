@@ -117,7 +117,6 @@ double rel_err(const at::Tensor& got, const at::Tensor& want) {
   return (g - w).norm().item<double>() / w.norm().item<double>();
 }
 
-
 // Q of torch's QR with diag(R) > 0: what Gram-Schmidt computes, in fp64.
 at::Tensor orth(const at::Tensor& a) {
   auto qr = at::linalg_qr(a.to(at::kDouble), "reduced");
@@ -509,7 +508,7 @@ TEST_P(PowerSGDTest, WarmStartReusesTheAllreducedQ) {
           const auto memories = st->q_memories();
           auto it = memories.find(p);
           q_before[r][s].push_back(it == memories.end() ? at::Tensor()
-                                                            : it->second.to(at::kDouble).clone());
+                                                        : it->second.to(at::kDouble).clone());
         }
         got[r][s] = run_step(*hook, params, layout, grads);
         ASSERT_FALSE(got[r][s].empty());
@@ -835,7 +834,6 @@ INSTANTIATE_TEST_SUITE_P(Gloo, PowerSGDTest,
                          param_name);
 
 // ---- (i) errors --------------------------------------------------------------------------------
-
 
 TEST(PowerSGDErrors, OptionsAreValidated) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];

@@ -3,12 +3,12 @@
 // engine (comm/bucketed.h).
 #pragma once
 
-#include <cstdint>
-#include <vector>
-
 #include <ATen/core/Tensor.h>
 #include <ddpx/comm/bucketed.h>
 #include <ddpx/common/process_group.h>
+
+#include <cstdint>
+#include <vector>
 
 namespace ddpx {
 namespace comm {
@@ -38,9 +38,9 @@ std::vector<at::Tensor> params_with_grad(const std::vector<at::Tensor>& params);
 }  // namespace comm
 
 // The names this API has had since it was first public.
+using comm::average_parameters;
 using comm::AverageOptions;
 using comm::AverageStats;
-using comm::average_parameters;
 using comm::params_with_grad;
 constexpr int64_t kDefaultAverageBucketBytes = comm::kDefaultBucketBytes;
 

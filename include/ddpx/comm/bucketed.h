@@ -4,12 +4,12 @@
 // ZeRO's parameter exchange and a C++ DDP's initial broadcast.
 #pragma once
 
-#include <cstdint>
-#include <vector>
-
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <ddpx/common/process_group.h>
+
+#include <cstdint>
+#include <vector>
 
 namespace ddpx {
 namespace comm {

@@ -1,11 +1,11 @@
 // How values travel between ranks, and the one rule that decides it for 16-bit values.
 #pragma once
 
-#include <string>
-
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <ddpx/common/process_group.h>
+
+#include <string>
 
 namespace ddpx {
 namespace comm {
@@ -48,8 +48,8 @@ ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& 
 
 namespace hooks {
 // The names the hooks' headers have always used.
-using comm::ExchangeMode;
 using comm::exchange_mode_name;
+using comm::ExchangeMode;
 using comm::parse_exchange_mode;
 using comm::resolve_exchange_mode;
 }  // namespace hooks

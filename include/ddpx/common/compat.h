@@ -4,25 +4,25 @@
 // shape can be detected (a constructor's arguments), it is detected instead of versioned.
 #pragma once
 
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+#include <ddpx/common/process_group.h>
+#include <torch/optim/optimizer.h>
+#include <torch/version.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <type_traits>
-#include <unordered_map>
-#include <utility>
-#include <vector>
-
-#include <c10/core/Allocator.h>
-#include <c10/util/Exception.h>
-#include <ddpx/common/process_group.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
-#include <torch/optim/optimizer.h>
-#include <torch/version.h>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 #ifdef USE_C10D_GLOO  // ProcessGroupGloo.hpp declares its class only then (as when torch is built)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
@@ -89,8 +89,8 @@ inline c10d::GradBucket make_grad_bucket(size_t index, size_t bucket_count,
                             const std::vector<size_t>&, const std::vector<size_t>&,
                             const std::vector<c10::IntArrayRef>&,
                             const std::vector<at::Tensor>&>::value;
-  return detail::make_grad_bucket_impl(std::integral_constant<bool, kSevenArgs>{}, index, bucket_count,
-                               buffer, offsets, lengths, sizes, parameters);
+  return detail::make_grad_bucket_impl(std::integral_constant<bool, kSevenArgs>{}, index,
+                                       bucket_count, buffer, offsets, lengths, sizes, parameters);
 }
 
 // ---- process groups ----------------------------------------------------------------------
@@ -231,13 +231,13 @@ class MemoryReporter : public c10::MemoryReportingInfoBase {
  public:
   virtual void on_memory(int64_t bytes, c10::Device device) = 0;
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device device) override {
+  void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device device) override{
 #else
   void reportMemoryUsage(void*, int64_t alloc_size, int64_t, int64_t, c10::Device device) override {
 #endif
-    on_memory(alloc_size, device);
-  }
-};
+      on_memory(alloc_size, device);
+}
+};  // namespace compat
 
-}  // namespace compat
+}  // namespace ddpx
 }  // namespace ddpx

@@ -1,8 +1,8 @@
 // allreduce_hook: the mean of the bucket over the group, as torch's default_hooks.allreduce_hook.
 #pragma once
 
-#include <ddpx/hooks/comm_hook.h>
 #include <ddpx/comm/exchange_mode.h>
+#include <ddpx/hooks/comm_hook.h>
 
 namespace ddpx {
 namespace hooks {

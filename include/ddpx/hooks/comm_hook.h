@@ -1,11 +1,11 @@
 // Base class of every ddpx communication hook, and the adapter that lets DDP's Reducer own one.
 #pragma once
 
-#include <memory>
-#include <string>
-
 #include <ATen/core/ivalue.h>
 #include <ddpx/common/process_group.h>
+
+#include <memory>
+#include <string>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 namespace ddpx {

@@ -1,8 +1,8 @@
 // fp16_compress_hook / bf16_compress_hook: average the bucket with 16-bit values on the wire.
 #pragma once
 
-#include <ddpx/hooks/comm_hook.h>
 #include <ddpx/comm/exchange_mode.h>
+#include <ddpx/hooks/comm_hook.h>
 
 namespace ddpx {
 namespace hooks {

@@ -7,14 +7,14 @@
 // averages the *parameters* globally every few steps after the optimizer step.
 #pragma once
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ddpx/hooks/comm_hook.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
-
-#include <ATen/core/Dict.h>
-#include <ATen/core/ivalue.h>
-#include <ddpx/hooks/comm_hook.h>
 
 namespace ddpx {
 namespace hooks {
@@ -28,9 +28,9 @@ class PostLocalSGDState {
   // new_subgroups(); the Python class creates the intra-node subgroups when given None).
   // `logger` receives torch's info lines; null means c10's LOG(INFO).
   // Throws c10::ValueError for start_localSGD_iter < 0, c10::TypeError for a null process_group.
-  PostLocalSGDState(ProcessGroupPtr process_group,
-                    ProcessGroupPtr subgroup, int64_t start_localSGD_iter,
-                    bool post_local_gradient_allreduce = true, Logger logger = nullptr);
+  PostLocalSGDState(ProcessGroupPtr process_group, ProcessGroupPtr subgroup,
+                    int64_t start_localSGD_iter, bool post_local_gradient_allreduce = true,
+                    Logger logger = nullptr);
 
   const ProcessGroupPtr& process_group() const { return process_group_; }
   void set_process_group(ProcessGroupPtr pg);

@@ -1,21 +1,21 @@
 // PowerSGDState: hyperparameters and memories of the PowerSGD hooks (torch's PowerSGDState).
 #pragma once
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ddpx/common/process_group.h>
+
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 #include <tuple>
-#include <map>
 #include <unordered_map>
 #include <vector>
-
-#include <ATen/core/Dict.h>
-#include <ATen/core/ivalue.h>
-#include <ddpx/common/process_group.h>
-#include <torch/csrc/distributed/c10d/comm.hpp>
 
 namespace ddpx {
 namespace hooks {

@@ -6,13 +6,13 @@
 //   for (...) { loss.backward(); optimizer.step(); averager->average_parameters(params); }
 #pragma once
 
-#include <cstdint>
-#include <utility>
-#include <vector>
-
 #include <ATen/core/Tensor.h>
 #include <ddpx/comm/average.h>
 #include <ddpx/common/process_group.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace torch {
 namespace optim {

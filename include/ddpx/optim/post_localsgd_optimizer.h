@@ -10,13 +10,13 @@
 // LR schedulers: attach them to optimizer() (the wrapped optimizer owns the parameter groups).
 #pragma once
 
-#include <memory>
-#include <vector>
-
 #include <ATen/core/Tensor.h>
 #include <ddpx/optim/averagers.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
+
+#include <memory>
+#include <vector>
 
 namespace ddpx {
 namespace optim {
