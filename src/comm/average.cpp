@@ -29,7 +29,9 @@ AverageStats average_parameters(const std::vector<at::Tensor>& params,
     TORCH_CHECK_VALUE(p.is_floating_point() || p.is_complex(), "average_parameters: parameter ", i,
                       " has dtype ", p.scalar_type(), "; only floating-point values average");
   }
-  return run_bucketed(params, process_group, AllreduceMean(), options);
+  AverageOptions named = options;
+  named.caller = "average_parameters";
+  return run_bucketed(params, process_group, AllreduceMean(), named);
 }
 
 }  // namespace comm

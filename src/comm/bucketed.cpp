@@ -52,33 +52,140 @@ struct Plan {
   int live_temporaries = 0;  // kTemporary copies alive now
 };
 
-// Every rank must build the same plan (the same collectives, in the same order, of the same
-// sizes), and a plan that reduces tensors in their own storage depends on their layouts, which
-// torch does not require to match across ranks (DDP checks parameter strides; direct callers of
-// average_parameters need not). One tiny collective compares a hash of the layouts: when they
-// match, contiguous and dense non-contiguous tensors (channels_last, transposes) are reduced in
-// their own storage (averaging is elementwise, so memory order is as good as logical order);
-// otherwise every tensor is copied through the staging buckets in logical order.
-bool same_layouts(const std::vector<at::Tensor>& params, const ProcessGroupPtr& pg) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over every tensor's strides and density
-  auto mix = [&](int64_t v) {
-    h ^= static_cast<uint64_t>(v);
-    h *= 1099511628211ull;
-  };
-  for (const at::Tensor& p : params) {
-    mix(p.is_non_overlapping_and_dense() ? 1 : 2);
-    for (int64_t v : p.strides()) mix(v);
+// ---- aliasing -------------------------------------------------------------------------------
+
+// The bytes of its storage a tensor can touch: [begin, end) from the storage's start.
+struct Footprint {
+  const void* storage = nullptr;  // null: no memory (an empty tensor)
+  int64_t begin = 0, end = 0;
+};
+
+Footprint footprint_of(const at::Tensor& t) {
+  Footprint f;
+  if (t.numel() == 0) return f;
+  int64_t lo = 0, hi = 0;  // element offsets of the first and last element, from storage_offset
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t span = (t.size(d) - 1) * t.stride(d);
+    (span < 0 ? lo : hi) += span;
   }
-  const int64_t mine = static_cast<int64_t>(h >> 2);  // non-negative, and so is its negation
-  at::Tensor both =
-      at::tensor({mine, -mine}, at::TensorOptions(at::kLong)).to(params.front().device());
-  std::vector<at::Tensor> tensors{both};
+  const int64_t elem = static_cast<int64_t>(t.element_size());
+  f.storage = t.storage().unsafeGetStorageImpl();
+  f.begin = (t.storage_offset() + lo) * elem;
+  f.end = (t.storage_offset() + hi + 1) * elem;
+  return f;
+}
+
+bool intersect(const Footprint& a, const Footprint& b) {
+  return a.storage != nullptr && a.storage == b.storage && a.begin < b.end && b.begin < a.end;
+}
+
+// `outer` covers every element of `inner`: a dense tensor of the same dtype whose bytes include
+// inner's (a dense tensor owns every byte of its footprint).
+bool covers(const at::Tensor& outer, const Footprint& fo, const at::Tensor& inner,
+            const Footprint& fi) {
+  return outer.scalar_type() == inner.scalar_type() && outer.is_non_overlapping_and_dense() &&
+         fo.storage == fi.storage && fo.begin <= fi.begin && fi.end <= fo.end;
+}
+
+// How the tensors of a call are exchanged when some share memory. Exchanging overlapping memory
+// concurrently corrupts it (an in-place allreduce divides memory that another allreduce is still
+// summing), and exchanging it twice would average a mean again. So: a tensor whose memory
+// another (dense, same dtype) tensor of the list covers is dropped, since exchanging that one
+// exchanges it (a tensor listed twice, a view of a parameter listed with the parameter); a
+// tensor that overlaps a kept one only partly is exchanged through a private copy of its
+// original values, written back once every collective is done. Every element is thus exchanged
+// from its original values; memory that a kept tensor and a copy share ends up with the copy's
+// result (the same mean, up to the order the backend summed in). Indices into the list, in its
+// order; the same on every rank whose tensors are aliased alike (agree() checks it).
+struct Aliasing {
+  std::vector<size_t> direct;  // exchanged in their own memory (or staged), no two overlapping
+  std::vector<size_t> copied;  // exchanged through a private copy, then written back
+};
+
+Aliasing resolve_aliasing(const std::vector<at::Tensor>& tensors) {
+  std::vector<Footprint> foot(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) foot[i] = footprint_of(tensors[i]);
+  Aliasing out;
+  auto covered = [&](size_t outer, size_t inner) {
+    return covers(tensors[outer], foot[outer], tensors[inner], foot[inner]);
+  };
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    bool dropped = false, clash = false;
+    for (auto* list : {&out.direct, &out.copied}) {
+      for (auto it = list->begin(); it != list->end() && !dropped;) {
+        if (!intersect(foot[*it], foot[i])) {
+          ++it;
+        } else if (covered(*it, i)) {
+          dropped = true;  // exchanged with a tensor that covers it
+        } else if (covered(i, *it)) {
+          it = list->erase(it);  // this one covers an earlier one: it takes its place
+        } else {
+          clash = clash || list == &out.direct;
+          ++it;
+        }
+      }
+    }
+    if (!dropped) (clash ? out.copied : out.direct).push_back(i);
+  }
+  return out;
+}
+
+// ---- agreement across ranks -----------------------------------------------------------------
+
+class Fnv1a {
+ public:
+  void mix(int64_t v) {
+    h_ ^= static_cast<uint64_t>(v);
+    h_ *= 1099511628211ull;
+  }
+  int64_t value() const { return static_cast<int64_t>(h_ >> 2); }  // non-negative, so is -value
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
+
+struct Agreement {
+  bool same_tensors;  // count, shapes, dtypes, device types and aliasing agree on every rank
+  bool same_layouts;  // and so do strides and density
+};
+
+// Every rank must build the same plan (the same collectives, in the same order, of the same
+// sizes): one tiny collective compares two hashes across the ranks. The first covers what the
+// plan is made of (the tensors' number, shapes, dtypes, device types, and how they alias, which
+// decides which are exchanged through copies): ranks that differ there would issue different
+// collectives, so the call raises on every rank instead (Gloo would abort the process, NCCL hang).
+// The second covers the layouts, which torch does not require to match across ranks (DDP checks
+// parameter strides; direct callers of average_parameters need not): when they match, contiguous
+// and dense non-contiguous tensors (channels_last, transposes) are exchanged in their own storage
+// (the collectives are elementwise, so memory order is as good as logical order); otherwise every
+// tensor is copied through the staging buckets in logical order.
+Agreement agree(const std::vector<at::Tensor>& tensors, const Aliasing& aliasing,
+                const ProcessGroupPtr& pg) {
+  Fnv1a what, layout;
+  what.mix(static_cast<int64_t>(tensors.size()));
+  for (const at::Tensor& t : tensors) {
+    what.mix(static_cast<int64_t>(t.scalar_type()));
+    what.mix(static_cast<int64_t>(t.device().type()));
+    what.mix(t.dim());
+    for (int64_t v : t.sizes()) what.mix(v);
+    layout.mix(t.is_non_overlapping_and_dense() ? 1 : 2);
+    for (int64_t v : t.strides()) layout.mix(v);
+  }
+  for (const auto* list : {&aliasing.direct, &aliasing.copied}) {
+    what.mix(-1);
+    for (size_t i : *list) what.mix(static_cast<int64_t>(i));
+  }
+  const int64_t w = what.value(), l = layout.value();
+  at::Tensor digest =
+      at::tensor({w, -w, l, -l}, at::TensorOptions(at::kLong)).to(tensors.front().device());
+  std::vector<at::Tensor> buffers{digest};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
-  pg->allreduce(tensors, opts)->wait();
-  const at::Tensor r = both.cpu();
+  pg->allreduce(buffers, opts)->wait();
+  const at::Tensor r = digest.cpu();
   // max(h) == min(h) exactly when every rank has the same hash.
-  return r[0].item<int64_t>() == -r[1].item<int64_t>();
+  const bool same_tensors = r[0].item<int64_t>() == -r[1].item<int64_t>();
+  return {same_tensors, same_tensors && r[2].item<int64_t>() == -r[3].item<int64_t>()};
 }
 
 // The plan depends on the layouts only through `own_storage` (the same on every rank): which
@@ -189,10 +296,10 @@ struct InFlight {
 
 void run_on_device(const std::vector<at::Tensor>& params, const ProcessGroupPtr& pg,
                    const BucketCollective& collective, at::ScalarType dtype, int64_t cap_bytes,
-                   BucketStats& stats) {
+                   bool own_storage, BucketStats& stats) {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t cap_elems = std::max<int64_t>(1, cap_bytes / elem);
-  Plan plan = make_plan(params, dtype, cap_elems, same_layouts(params, pg));
+  Plan plan = make_plan(params, dtype, cap_elems, own_storage);
   const auto options = params.front().options().dtype(dtype);
 
   // Two staging buffers, sized to the largest bucket of this call and allocated only if used.
@@ -331,13 +438,13 @@ c10::intrusive_ptr<c10d::Work> Broadcast::start(c10d::ProcessGroup& pg,
 
 BucketStats run_bucketed(const std::vector<at::Tensor>& tensors, const ProcessGroupPtr& pg,
                          const BucketCollective& collective, const BucketOptions& options) {
-  TORCH_CHECK_VALUE(options.bucket_cap_bytes > 0, "bucket_cap_bytes must be positive, got ",
-                    options.bucket_cap_bytes);
+  TORCH_CHECK_VALUE(options.bucket_cap_bytes > 0, options.caller,
+                    ": bucket_cap_bytes must be positive, got ", options.bucket_cap_bytes);
   BucketStats stats;
   if (!pg || tensors.empty()) return stats;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK_VALUE(tensors[i].defined(), "tensor ", i, " is undefined");
-    TORCH_CHECK_VALUE(tensors[i].layout() == at::kStrided, "tensor ", i,
+    TORCH_CHECK_VALUE(tensors[i].defined(), options.caller, ": tensor ", i, " is undefined");
+    TORCH_CHECK_VALUE(tensors[i].layout() == at::kStrided, options.caller, ": tensor ", i,
                       " is not a dense tensor (layout ", tensors[i].layout(), ")");
   }
   stats.tensors = static_cast<int64_t>(tensors.size());
@@ -345,10 +452,23 @@ BucketStats run_bucketed(const std::vector<at::Tensor>& tensors, const ProcessGr
   if (pg->getSize() == 1) return stats;
 
   c10::AutoGradMode no_grad(false);
-  for (const Pass& pass : passes_of(tensors, collective.promotes())) {
+  const Aliasing aliasing = resolve_aliasing(tensors);
+  const Agreement agreed = agree(tensors, aliasing, pg);
+  TORCH_CHECK_VALUE(agreed.same_tensors, options.caller,
+                    ": the ranks of the group passed different tensors (their number, shapes, "
+                    "dtypes or devices differ, or they share memory differently); every rank must "
+                    "pass the same list, in the same order (this rank passed ",
+                    tensors.size(), ")");
+  std::vector<at::Tensor> members;
+  for (size_t i : aliasing.direct) members.push_back(tensors[i]);
+  std::vector<at::Tensor> copies;
+  for (size_t i : aliasing.copied) copies.push_back(tensors[i].clone(at::MemoryFormat::Contiguous));
+  members.insert(members.end(), copies.begin(), copies.end());
+  for (const Pass& pass : passes_of(members, collective.promotes())) {
     run_on_device(pass.tensors, pg, collective, collective.wire_dtype(pass.dtype, pass.device, *pg),
-                  options.bucket_cap_bytes, stats);
+                  options.bucket_cap_bytes, agreed.same_layouts, stats);
   }
+  for (size_t k = 0; k < copies.size(); ++k) tensors[aliasing.copied[k]].copy_(copies[k]);
   return stats;
 }
 

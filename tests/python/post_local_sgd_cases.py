@@ -465,6 +465,28 @@ def average_direct(rank: int, world_size: int) -> Dict[str, Any]:
     ddpx.model_averaging.average_parameters([view], None, bucket_cap_mb=tiny_mb)
     out["noncontig"] = (view.clone(), ref, base.data_ptr() == view.data_ptr())
 
+    # A 2M-element parameter listed twice (issue 10, item 1: ddpx used to divide it while the
+    # other copy's allreduce was in flight, values off by up to 2e5x the mean). Torch's averager
+    # averages it correctly: so must ddpx's, through the averager and average_parameters.
+    big = torch.randn(2_000_000, generator=torch.Generator().manual_seed(100 + rank))
+    ref = nn.Parameter(big.clone())
+    ref.grad = torch.zeros_like(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tavg.PeriodicModelAverager(period=2, warmup_steps=0).average_parameters([ref, ref])
+    twice = nn.Parameter(big.clone())
+    twice.grad = torch.zeros_like(twice)
+    ddpx.model_averaging.PeriodicModelAverager(period=2, warmup_steps=0).average_parameters(
+        [twice, twice])
+    view = big.clone()
+    ddpx.model_averaging.average_parameters([view, view[10:1010], view], None)
+    out["duplicate"] = {"torch": ref.detach().clone(), "averager": twice.detach().clone(),
+                        "views": view}
+    # Ranks passing different parameters (issue 10, item 4; Gloo used to abort the process): a
+    # ValueError on every rank, and the group stays usable (the calls below still run).
+    out["mismatch"] = catch(
+        lambda: ddpx.model_averaging.average_parameters([torch.ones(10 + rank)], None))
+
     # last_stats through an averager, with a tiny and the default cap.
     for cap_name, cap in (("tiny", tiny_mb), ("default", None)):
         kw = {} if cap is None else {"bucket_cap_mb": cap}

@@ -415,6 +415,28 @@ def test_average_parameters_fp32(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+def test_duplicate_parameters_average_like_torch(world_size):
+    """A parameter listed twice (and views of it listed with it) is averaged once, as torch's
+    averager does: bit for bit on 2 ranks, to rounding on 4 (torch sums a flat copy in another
+    order)."""
+    for res in case(world_size, "average"):
+        d = res["duplicate"]
+        tol = {} if world_size == 2 else {"rtol": RTOL, "atol": ATOL}
+        for got in (d["averager"], d["views"]):
+            if world_size == 2:
+                assert torch.equal(got, d["torch"]), maxdiff(got, d["torch"])
+            else:
+                torch.testing.assert_close(got, d["torch"], **tol)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_with_different_parameters_raise_value_error(world_size):
+    for res in case(world_size, "average"):
+        kind, message = res["mismatch"][:2]
+        assert kind == "ValueError" and "passed different tensors" in message, res["mismatch"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_average_parameters_non_contiguous(world_size):
     for res in case(world_size, "average"):
         got, ref, same_storage = res["noncontig"]

@@ -25,8 +25,10 @@ using AverageStats = BucketStats;
 // model), the extra memory is bounded by about two buckets (see run_bucketed). 16-bit tensors
 // on CPU or on a Gloo group are averaged in fp32 (backend_sums_natively()).
 //
-// A null process_group means "this rank is not a member": nothing happens. Every member rank
-// must pass tensors of the same shapes, dtypes and order. Throws c10::ValueError naming the
+// Parameters may share memory (listed twice, views of one another): each element is averaged
+// once, from its original values (see run_bucketed). A null process_group means "this rank is not a
+// member": nothing happens. Every member rank must pass tensors of the same shapes, dtypes and
+// order; ranks that do not all raise c10::ValueError. Throws c10::ValueError naming the
 // parameter for an undefined, sparse or non-floating tensor. Blocks until done.
 AverageStats average_parameters(const std::vector<at::Tensor>& params,
                                 const ProcessGroupPtr& process_group,

@@ -9,6 +9,7 @@
 #include <ddpx/common/process_group.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace ddpx {
@@ -21,6 +22,8 @@ struct BucketOptions {
   // Small tensors are packed into staging buckets of at most this many bytes (at most two in
   // flight: one being exchanged while the next is packed). Must be positive.
   int64_t bucket_cap_bytes = kDefaultBucketBytes;
+  // The API named in error messages (average_parameters sets its own name).
+  std::string caller = "run_bucketed";
 };
 
 // What one call did (for tests and benchmarks).
@@ -94,10 +97,17 @@ class Broadcast final : public BucketCollective {
 // each device with its own buckets, in order of first appearance. At most ~2 buckets of
 // collectives are in flight at any time.
 //
+// Tensors may share memory, and every element is exchanged once, from its original values: a
+// tensor listed twice, or covered by a dense tensor of the same dtype in the list (a view of a
+// listed parameter), is exchanged through the one that covers it; a tensor that overlaps another
+// only partly is exchanged through a private copy, written back when all is done (the memory they
+// share gets the copy's result: the same mean, up to the order the backend summed in).
+//
 // A null `pg` means "this rank is not a member": nothing happens. A group of one: nothing to
 // exchange (tensors are counted). Every member rank must pass tensors of the same shapes, dtypes,
-// devices and order (collectives are issued in that order). Each tensor must be defined and
-// strided (c10::Error otherwise), and no two may share memory.
+// device types and order, aliased alike (collectives are issued in that order); one tiny
+// collective checks it first, and a mismatch raises c10::ValueError on every rank instead of
+// hanging or aborting. Each tensor must be defined and strided (c10::ValueError otherwise).
 BucketStats run_bucketed(const std::vector<at::Tensor>& tensors, const ProcessGroupPtr& pg,
                          const BucketCollective& collective, const BucketOptions& options = {});
 
