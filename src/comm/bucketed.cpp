@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <unordered_map>
 #include <utility>
 
 namespace ddpx {
@@ -103,29 +104,43 @@ struct Aliasing {
 };
 
 Aliasing resolve_aliasing(const std::vector<at::Tensor>& tensors) {
+  enum class Fate { kDirect, kCopied, kDropped };
+  std::vector<Fate> fate(tensors.size(), Fate::kDirect);
   std::vector<Footprint> foot(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) foot[i] = footprint_of(tensors[i]);
-  Aliasing out;
   auto covered = [&](size_t outer, size_t inner) {
     return covers(tensors[outer], foot[outer], tensors[inner], foot[inner]);
   };
+  // The kept tensors of each storage: only tensors of one storage can share memory.
+  std::unordered_map<const void*, std::vector<size_t>> kept;
   for (size_t i = 0; i < tensors.size(); ++i) {
+    if (foot[i].storage == nullptr) continue;  // no memory
+    std::vector<size_t>& same = kept[foot[i].storage];
     bool dropped = false, clash = false;
-    for (auto* list : {&out.direct, &out.copied}) {
-      for (auto it = list->begin(); it != list->end() && !dropped;) {
-        if (!intersect(foot[*it], foot[i])) {
-          ++it;
-        } else if (covered(*it, i)) {
-          dropped = true;  // exchanged with a tensor that covers it
-        } else if (covered(i, *it)) {
-          it = list->erase(it);  // this one covers an earlier one: it takes its place
-        } else {
-          clash = clash || list == &out.direct;
-          ++it;
-        }
+    for (auto it = same.begin(); it != same.end() && !dropped;) {
+      if (!intersect(foot[*it], foot[i])) {
+        ++it;
+      } else if (covered(*it, i)) {
+        dropped = true;  // exchanged with a tensor that covers it
+      } else if (covered(i, *it)) {
+        fate[*it] = Fate::kDropped;  // this one covers an earlier one: it takes its place
+        it = same.erase(it);
+      } else {
+        clash = clash || fate[*it] == Fate::kDirect;
+        ++it;
       }
     }
-    if (!dropped) (clash ? out.copied : out.direct).push_back(i);
+    if (dropped) {
+      fate[i] = Fate::kDropped;
+      continue;
+    }
+    fate[i] = clash ? Fate::kCopied : Fate::kDirect;
+    same.push_back(i);
+  }
+  Aliasing out;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (fate[i] == Fate::kDirect) out.direct.push_back(i);
+    if (fate[i] == Fate::kCopied) out.copied.push_back(i);
   }
   return out;
 }
