@@ -145,9 +145,14 @@ std::vector<int64_t> PowerSGDState::keys_for(const c10d::GradBucket& bucket,
                         ": this PowerSGDState already serves another DDP model (a parameter it "
                         "has not seen in a whole iteration reached the hook); create one state per "
                         "model, or load_state_dict() a checkpoint into a new state");
-      it = key_of_.emplace(id, static_cast<int64_t>(key_of_.size())).first;
+      const auto key = static_cast<int64_t>(key_of_.size());
+      it = key_of_
+               .emplace(
+                   id, KnownParameter{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
+                                      key})
+               .first;
     }
-    keys.push_back(it->second);
+    keys.push_back(it->second.key);
   }
   return keys;
 }

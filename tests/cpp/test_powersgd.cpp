@@ -34,6 +34,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -943,6 +944,42 @@ TEST(PowerSGDErrors, StateOfAnotherModelIsRejected) {
             run_step(*hook, model_a, {{0}, {1}}, grads_of(11, 3, r, shapes, at::kFloat)).empty());
       }
     });
+  }
+}
+
+// Issue 10, item 5: memories used to be keyed by raw TensorImpl addresses held without a
+// reference. Once a model is freed, a new model's parameters can take the same addresses, and
+// the old model's error feedback and Q factors were then silently applied to them. A state whose
+// model is gone must refuse a new model as it refuses any other one.
+TEST(PowerSGDErrors, ParametersAtAFreedModelsAddressesAreANewModel) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  for (bool batched : {false, true}) {
+    auto st = make_state(pg, options(1, 2.0, 2));
+    CommHookPtr hook =
+        batched ? ddpx::hooks::batched_powerSGD_hook(st) : ddpx::hooks::powerSGD_hook(st);
+    const Shapes shapes = {{6, 5}, {5}};
+    std::set<const void*> old_addresses;
+    {
+      const auto model_a = make_params(shapes, at::kFloat);
+      for (int s = 0; s < 3; ++s) {
+        ASSERT_FALSE(
+            run_step(*hook, model_a, {{0}, {1}}, grads_of(11, s, 0, shapes, at::kFloat)).empty());
+      }
+      for (const auto& p : model_a) old_addresses.insert(p.unsafeGetTensorImpl());
+    }  // model A is freed here
+    // Tensors of A's shapes: the allocator hands freed blocks out again, so one may land on an
+    // address of A's (before the fix, the first one did). Any that does must be refused. (With
+    // the fix, the state pins the addresses it keys, so none lands there.)
+    std::vector<at::Tensor> candidates;
+    for (int i = 0; i < 4096; ++i) {
+      candidates.push_back(at::zeros(shapes[0], at::kFloat));
+      if (!old_addresses.count(candidates.back().unsafeGetTensorImpl())) continue;
+      at::Tensor buffer = ddpx_test::make_tensor(ddpx_test::random_values(2, 30), at::kFloat);
+      auto bucket = ddpx_test::make_bucket(buffer, {candidates.back()}, 0, 2);
+      EXPECT_THAT(value_error([&] { hook->runHook(bucket->get()); }),
+                  HasSubstr("another DDP model"))
+          << "batched " << batched << ": a tensor at a freed parameter's address was accepted";
+    }
   }
 }
 
