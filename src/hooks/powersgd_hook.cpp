@@ -214,13 +214,22 @@ std::shared_ptr<BucketLayout> layout_for(PowerSGDState& st, const c10d::GradBuck
                                          const std::vector<int64_t>& keys, const at::Tensor& input,
                                          bool batched) {
   auto& slot = st.memory().layouts[bucket.getIndex()];
+  const auto& o = st.options();
+  // Options are settable between steps (as torch's attributes are) and apply at the next one:
+  // a layout built for other values is rebuilt, and keeps every memory that still fits (error
+  // feedback always does; Q factors when their rank is unchanged).
   if (slot && slot->keys == keys && slot->wire_dtype == input.scalar_type() &&
       slot->device == input.device() && (batched == !slot->batched_key.empty()) &&
-      (!batched || slot->total_length == input.numel())) {
+      (!batched || slot->total_length == input.numel()) &&
+      slot->built_rank == o.matrix_approximation_rank &&
+      slot->built_min_compression_rate == o.min_compression_rate &&
+      slot->error.defined() == o.use_error_feedback) {
     return slot;
   }
   slot = batched ? build_batched_layout(st, keys, bucket, input)
                  : build_layerwise_layout(st, bucket, keys, input);
+  slot->built_rank = o.matrix_approximation_rank;
+  slot->built_min_compression_rate = o.min_compression_rate;
   return slot;
 }
 

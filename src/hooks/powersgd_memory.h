@@ -41,6 +41,9 @@ struct BucketLayout {
   std::vector<CompMatrix> comp;                   // compressed gradients, torch's order (by shape)
   std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) of same-shaped runs in comp
   int64_t uncompressed_numel = 0, total_p = 0, total_q = 0;
+  // The options the layout was built for (use_error_feedback: whether `error` is defined).
+  int64_t built_rank = 0;
+  double built_min_compression_rate = 0;
   int64_t numel_before = 0, numel_after = 0;  // compression statistics of one call
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the arithmetic
   at::ScalarType wire_dtype = at::kFloat;     // dtype on the wire (the bucket's)

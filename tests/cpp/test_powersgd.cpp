@@ -983,6 +983,96 @@ TEST(PowerSGDErrors, ParametersAtAFreedModelsAddressesAreANewModel) {
   }
 }
 
+// Issue 10, item 2: the options are settable mid-run, as torch's attributes are, and must apply
+// at the next step. The cached bucket layouts used to be reused whatever the options: a new rank
+// or min_compression_rate kept the old layout's values, and turning use_error_feedback on made
+// every later step fail with a buffer mismatch.
+TEST(PowerSGDOptionsMidRun, ApplyAtTheNextStep) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  const Shapes shapes = {{40, 30}, {30}, {20, 25}};
+  const Layout layout = {{0, 1}, {2}};
+  for (bool batched : {false, true}) {
+    auto st = make_state(pg, options(1, 2.0, 2));
+    CommHookPtr hook =
+        batched ? ddpx::hooks::batched_powerSGD_hook(st) : ddpx::hooks::powerSGD_hook(st);
+    const auto params = make_params(shapes, at::kFloat);
+    int step = 0;
+    // Elements sent by one step: the growth of total_numel_after_compression.
+    auto sent_by_step = [&] {
+      const int64_t before = st->total_numel_after_compression();
+      EXPECT_FALSE(
+          run_step(*hook, params, layout, grads_of(3, step, 0, shapes, at::kFloat)).empty())
+          << "step " << step;
+      ++step;
+      return st->total_numel_after_compression() - before;
+    };
+    for (int i = 0; i < 3; ++i) sent_by_step();
+    // Layer-wise: (40 + 30) r + 30 + (20 + 25) r; batched: buckets of 1230 and 500 elements as
+    // 36 x 36 and 23 x 23 matrices, 2 * side * r each.
+    auto expected = [&](int64_t r) {
+      return batched ? 2 * (36 + 23) * r : (40 + 30) * r + 30 + (20 + 25) * r;
+    };
+    EXPECT_EQ(sent_by_step(), expected(1)) << "batched " << batched;
+
+    PowerSGDOptions o = st->options();
+    o.matrix_approximation_rank = 2;
+    st->set_options(o);
+    EXPECT_EQ(sent_by_step(), expected(2)) << "batched " << batched << ": the new rank was ignored";
+    if (!batched) {
+      EXPECT_EQ(st->q_memories().at(0).numel(), 30 * 2);
+      EXPECT_EQ(st->q_memories().at(2).numel(), 25 * 2);
+      // Nothing worth compressing at rate 100: everything travels as it is.
+      o.min_compression_rate = 100;
+      st->set_options(o);
+      EXPECT_EQ(sent_by_step(), 40 * 30 + 30 + 20 * 25) << "min_compression_rate was ignored";
+    }
+  }
+}
+
+TEST(PowerSGDOptionsMidRun, ErrorFeedbackTurnedOnAndOff) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  const Shapes shapes = {{40, 30}, {20, 25}};
+  const Layout layout = {{0}, {1}};
+  for (bool batched : {false, true}) {
+    PowerSGDOptions o = options(1, 2.0, 2);
+    o.use_error_feedback = false;
+    o.warm_start = false;
+    auto st = make_state(pg, o);
+    CommHookPtr hook =
+        batched ? ddpx::hooks::batched_powerSGD_hook(st) : ddpx::hooks::powerSGD_hook(st);
+    const auto params = make_params(shapes, at::kFloat);
+    int step = 0;
+    auto run = [&] {
+      auto grads = grads_of(5, step, 0, shapes, at::kFloat);
+      auto out = run_step(*hook, params, layout, grads);
+      ++step;
+      return std::make_pair(grads, out);
+    };
+    for (int i = 0; i < 3; ++i) ASSERT_FALSE(run().second.empty());
+    EXPECT_TRUE(st->error_memories().empty());
+    o.use_error_feedback = true;
+    st->set_options(o);
+    // On one rank, the first step with error feedback leaves input = output + residual.
+    for (int i = 0; i < 2; ++i) {
+      const auto [grads, out] = run();
+      ASSERT_FALSE(out.empty()) << "batched " << batched << ": a step failed after turning "
+                                << "use_error_feedback on";
+      if (i > 0) break;
+      const auto residuals = st->error_memories();
+      for (size_t p = 0; p < shapes.size(); ++p) {
+        ASSERT_TRUE(residuals.count(static_cast<int64_t>(p))) << "no residual for " << p;
+        const at::Tensor back = out[p].to(at::kDouble) +
+                                residuals.at(static_cast<int64_t>(p)).reshape({-1}).to(at::kDouble);
+        EXPECT_TRUE(at::allclose(back, grads[p].reshape({-1}).to(at::kDouble), 1e-5, 1e-6))
+            << "batched " << batched << " parameter " << p;
+      }
+    }
+    o.use_error_feedback = false;
+    st->set_options(o);
+    EXPECT_FALSE(run().second.empty());
+  }
+}
+
 TEST(PowerSGDErrors, CheckpointMisuseIsRejected) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];
   auto st = make_state(pg, options(1, 0.0, 2));
