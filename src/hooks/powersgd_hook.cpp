@@ -103,10 +103,22 @@ std::shared_ptr<BucketLayout> new_layout(const std::vector<int64_t>& keys,
 // Error-feedback residual buffer of `numel` elements; each parameter's slice takes over its
 // memory (live, or from a checkpoint) and becomes its memory.
 void claim_error_views(PowerSGDMemory& mem, BucketLayout& L, int64_t numel,
-                       const at::TensorOptions& opts) {
+                       const at::TensorOptions& opts, const std::vector<at::Tensor>& grads) {
   L.error = at::zeros({numel}, opts);
   for (size_t i = 0; i < L.keys.size(); ++i) {
     at::Tensor view = L.error.narrow(0, L.offsets[i], L.numels[i]);
+    // An error memory always has its parameter's size: another size means a corrupt checkpoint
+    // or one saved for other parameter shapes (Q memories may differ: the rank may have changed).
+    auto restored = mem.restored_error.find(L.keys[i]);
+    TORCH_CHECK_VALUE(
+        !mem.strict_restore || restored == mem.restored_error.end() ||
+            restored->second.numel() == view.numel(),
+        "PowerSGDState: the checkpoint's error-feedback memory for parameter ", L.keys[i], " has ",
+        restored == mem.restored_error.end() ? 0 : restored->second.numel(),
+        " elements, but that parameter has ", view.numel(), " (shape ", grads[i].sizes(),
+        "): the checkpoint is corrupt or was saved for a model with other parameter "
+        "shapes. Load it with load_state_dict(state_dict, strict=False) to drop the "
+        "memories that do not fit");
     claim_memory(L.keys[i], view, mem.error, mem.restored_error);
     mem.error[L.keys[i]] = view;
   }
@@ -167,7 +179,7 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
   L->p_pack = MatrixPack::back_to_back(p_rows, ranks, L->device, /*first=*/L->uncompressed_numel);
   L->q_pack = MatrixPack::back_to_back(q_rows, ranks, L->device);
   // Memories move to the new layout (after a bucket rebuild, or from a checkpoint).
-  if (o.use_error_feedback) claim_error_views(mem, *L, input.numel(), opts);
+  if (o.use_error_feedback) claim_error_views(mem, *L, input.numel(), opts, grads);
   bool all_q = !L->comp.empty();
   for (const auto& c : L->comp) {
     at::Tensor view = L->q_factors.narrow(0, c.q_offset, c.cols * c.rank);
@@ -197,7 +209,9 @@ std::shared_ptr<BucketLayout> build_batched_layout(PowerSGDState& st,
   L->q_factors = at::empty({L->side * L->rank}, opts);
   L->p_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
   L->q_pack = MatrixPack({0}, {L->side}, {L->rank}, L->device);
-  if (o.use_error_feedback) claim_error_views(mem, *L, L->side * L->side, opts);
+  if (o.use_error_feedback) {
+    claim_error_views(mem, *L, L->side * L->side, opts, bucket.getGradients());
+  }
   L->batched_key = join_keys(keys);
   if (L->error.defined() && L->side * L->side > L->total_length) {
     at::Tensor pad = L->error.narrow(0, L->total_length, L->side * L->side - L->total_length);

@@ -103,6 +103,8 @@ class PowerSGDMemory {
   std::unordered_map<size_t, std::shared_ptr<BucketLayout>> layouts;
   // Round two of the previous bucket, issued by the next runHook.
   comm::DeferredCollective round_two;
+  // load_state_dict's `strict`: a restored error memory of the wrong size raises.
+  bool strict_restore = true;
 
   // Forgets everything tied to this process's tensors (a checkpoint is being loaded).
   void reset_live() {

@@ -5,6 +5,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <sstream>
+#include <type_traits>
 
 #include "hooks/powersgd_memory.h"
 
@@ -190,12 +191,6 @@ std::string key_of<std::string>(const c10::IValue& v) {
   return v.toStringRef();
 }
 
-template <typename Key>
-void load_tensor_dict(const c10::IValue& v, std::unordered_map<Key, at::Tensor>& out) {
-  out.clear();
-  for (const auto& kv : v.toGenericDict()) out[key_of<Key>(kv.key())] = kv.value().toTensor();
-}
-
 // Live memories over the restored ones, as the bindings and tests read them.
 std::map<int64_t, at::Tensor> merged(const std::unordered_map<int64_t, at::Tensor>& live,
                                      const std::unordered_map<int64_t, at::Tensor>& restored) {
@@ -241,37 +236,105 @@ c10::impl::GenericDict PowerSGDState::state_dict() const {
   return d;
 }
 
-void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d) {
-  auto get = [&](const char* key) -> c10::IValue {
-    auto it = d.find(std::string(key));
-    TORCH_CHECK_VALUE(it != d.end(), "PowerSGDState.load_state_dict: missing key '", key, "'");
+namespace {
+// The values of a checkpoint dict, type-checked: a wrong type is a c10::TypeError naming the key
+// (IValue's own accessors would fail an internal assert that blames PyTorch).
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const c10::impl::GenericDict& d) : d_(d) {}
+
+  c10::IValue get(const char* key) const {
+    auto it = d_.find(std::string(key));
+    TORCH_CHECK_VALUE(it != d_.end(), kWho, ": missing key '", key, "'");
     return it->value();
-  };
-  TORCH_CHECK_VALUE(get("format").toStringRef() == "ddpx.PowerSGDState/1",
+  }
+  int64_t get_int(const char* key) const {
+    const c10::IValue v = get(key);
+    TORCH_CHECK_TYPE(v.isInt(), kWho, ": '", key, "' must be an int, got ", v.tagKind());
+    return v.toInt();
+  }
+  double get_double(const char* key) const {
+    const c10::IValue v = get(key);
+    TORCH_CHECK_TYPE(v.isDouble() || v.isInt(), kWho, ": '", key, "' must be a number, got ",
+                     v.tagKind());
+    return v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble();
+  }
+  bool get_bool(const char* key) const {
+    const c10::IValue v = get(key);
+    TORCH_CHECK_TYPE(v.isBool(), kWho, ": '", key, "' must be a bool, got ", v.tagKind());
+    return v.toBool();
+  }
+  std::string get_string(const char* key) const {
+    const c10::IValue v = get(key);
+    TORCH_CHECK_TYPE(v.isString(), kWho, ": '", key, "' must be a str, got ", v.tagKind());
+    return v.toStringRef();
+  }
+  // A dict of tensors keyed by Key (int parameter keys, or str bucket keys).
+  template <typename Key>
+  std::unordered_map<Key, at::Tensor> get_tensors(const char* key) const {
+    const c10::IValue v = get(key);
+    TORCH_CHECK_TYPE(v.isGenericDict(), kWho, ": '", key, "' must be a dict of tensors, got ",
+                     v.tagKind());
+    std::unordered_map<Key, at::Tensor> out;
+    for (const auto& kv : v.toGenericDict()) {
+      const bool key_ok =
+          std::is_same<Key, int64_t>::value ? kv.key().isInt() : kv.key().isString();
+      TORCH_CHECK_TYPE(key_ok && kv.value().isTensor(), kWho, ": '", key, "' must map ",
+                       std::is_same<Key, int64_t>::value ? "ints" : "strs", " to tensors, got a ",
+                       kv.key().tagKind(), " -> ", kv.value().tagKind(), " entry");
+      out[key_of<Key>(kv.key())] = kv.value().toTensor();
+    }
+    return out;
+  }
+
+ private:
+  static constexpr const char* kWho = "PowerSGDState.load_state_dict";
+  const c10::impl::GenericDict& d_;
+};
+}  // namespace
+
+void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d, bool strict) {
+  const CheckpointReader in(d);
+  TORCH_CHECK_VALUE(in.get_string("format") == "ddpx.PowerSGDState/1",
                     "PowerSGDState.load_state_dict: not a ddpx PowerSGDState checkpoint");
+  // Everything is read and checked before anything changes: a bad checkpoint leaves the state
+  // as it was.
   PowerSGDOptions o;
-  o.matrix_approximation_rank = get("matrix_approximation_rank").toInt();
-  o.start_powerSGD_iter = get("start_powerSGD_iter").toInt();
-  o.min_compression_rate = get("min_compression_rate").toDouble();
-  o.use_error_feedback = get("use_error_feedback").toBool();
-  o.warm_start = get("warm_start").toBool();
-  o.orthogonalization_epsilon = get("orthogonalization_epsilon").toDouble();
-  o.random_seed = get("random_seed").toInt();
-  o.compression_stats_logging_frequency = get("compression_stats_logging_frequency").toInt();
-  o.batch_tensors_with_same_shape = get("batch_tensors_with_same_shape").toBool();
+  o.matrix_approximation_rank = in.get_int("matrix_approximation_rank");
+  o.start_powerSGD_iter = in.get_int("start_powerSGD_iter");
+  o.min_compression_rate = in.get_double("min_compression_rate");
+  o.use_error_feedback = in.get_bool("use_error_feedback");
+  o.warm_start = in.get_bool("warm_start");
+  o.orthogonalization_epsilon = in.get_double("orthogonalization_epsilon");
+  o.random_seed = in.get_int("random_seed");
+  o.compression_stats_logging_frequency = in.get_int("compression_stats_logging_frequency");
+  o.batch_tensors_with_same_shape = in.get_bool("batch_tensors_with_same_shape");
+  o.validate();
+  const int64_t iter = in.get_int("iter");
+  const int64_t before = in.get_int("total_numel_before_compression");
+  const int64_t after = in.get_int("total_numel_after_compression");
+  const int64_t next_report = in.get_int("next_stats_report");
+  NumpyRandint rng;
+  rng.deserialize(in.get_string("rng"));
+  auto error = in.get_tensors<int64_t>("error");
+  auto q = in.get_tensors<int64_t>("q");
+  auto batched_q = in.get_tensors<std::string>("batched_q");
+  auto batched_error_pad = in.get_tensors<std::string>("batched_error_pad");
+
   set_options(o);
-  iter_ = get("iter").toInt();
-  total_before_ = get("total_numel_before_compression").toInt();
-  total_after_ = get("total_numel_after_compression").toInt();
-  next_stats_report_ = get("next_stats_report").toInt();
-  rng_.deserialize(get("rng").toStringRef());
+  iter_ = iter;
+  total_before_ = before;
+  total_after_ = after;
+  next_stats_report_ = next_report;
+  rng_ = rng;
   detail::PowerSGDMemory& mem = *memory_;
-  load_tensor_dict(get("error"), mem.restored_error);
-  load_tensor_dict(get("q"), mem.restored_q);
-  load_tensor_dict(get("batched_q"), mem.restored_batched_q);
-  load_tensor_dict(get("batched_error_pad"), mem.restored_batched_error_pad);
   // A fresh start for everything tied to this process's tensors.
   mem.reset_live();
+  mem.restored_error = std::move(error);
+  mem.restored_q = std::move(q);
+  mem.restored_batched_q = std::move(batched_q);
+  mem.restored_batched_error_pad = std::move(batched_error_pad);
+  mem.strict_restore = strict;
   key_of_.clear();
   saw_full_iteration_ = false;
 }

@@ -55,7 +55,15 @@ void bind_powersgd(py::module& m) {
            "Per-parameter error-feedback residuals, keyed by parameter order of first appearance.")
       .def("q_memory_dict", &PowerSGDState::q_memories,
            "Per-parameter warm-start Q factors, keyed like error_dict().");
-  def_state_dict(state);
+  def_state_dict(state, /*bind_load=*/false);
+  state.def(
+      "load_state_dict",
+      [](PowerSGDState& st, const py::object& d, bool strict) {
+        st.load_state_dict(state_dict_arg(d), strict);
+      },
+      py::arg("state_dict"), py::arg("strict") = true,
+      "Restores state_dict()'s content; strict: an error memory of the wrong size raises at its "
+      "parameter's first step (False: it is dropped).");
 
   m.def(
       "powersgd_hook",

@@ -24,6 +24,12 @@ c10::IValue state_to_ivalue(const py::handle& obj) {
                    py::str(py::type::of(obj)).cast<std::string>());
 }
 
+c10::impl::GenericDict state_dict_arg(const py::object& d) {
+  TORCH_CHECK_TYPE(py::isinstance<py::dict>(d), "load_state_dict: state_dict must be a dict, got ",
+                   py::str(py::type::of(d)).cast<std::string>());
+  return state_to_ivalue(d).toGenericDict();
+}
+
 at::ScalarType to_dtype(const py::handle& obj, const char* arg) {
   TORCH_CHECK_TYPE(THPDtype_Check(obj.ptr()), arg, " must be a torch.dtype, got ",
                    py::str(py::type::of(obj)).cast<std::string>());

@@ -55,23 +55,24 @@ auto with_py_warnings(F&& f) -> decltype(f()) {
   }
 }
 
+// A checkpoint dict from Python as the GenericDict the C++ states load (TypeError otherwise).
+c10::impl::GenericDict state_dict_arg(const py::object& d);
+
 // Binds state_dict() -> dict and load_state_dict(dict) for a native state whose C++ class has
 // `c10::impl::GenericDict state_dict() const` and `void load_state_dict(const GenericDict&)`.
+// A state whose load_state_dict takes a `strict` flag binds its own load_state_dict instead
+// (with state_dict_arg).
 template <typename State, typename... Options>
-void def_state_dict(py::class_<State, Options...>& cls) {
+void def_state_dict(py::class_<State, Options...>& cls, bool bind_load = true) {
   cls.def(
-         "state_dict",
-         [](const State& s) { return torch::jit::toPyObject(c10::IValue(s.state_dict())); },
-         "The state to checkpoint, as a dict (no process groups).")
-      .def(
-          "load_state_dict",
-          [](State& s, const py::object& d) {
-            TORCH_CHECK_TYPE(py::isinstance<py::dict>(d),
-                             "load_state_dict: state_dict must be a dict, got ",
-                             py::str(py::type::of(d)).cast<std::string>());
-            s.load_state_dict(state_to_ivalue(d).toGenericDict());
-          },
-          py::arg("state_dict"), "Restores state_dict()'s content.");
+      "state_dict",
+      [](const State& s) { return torch::jit::toPyObject(c10::IValue(s.state_dict())); },
+      "The state to checkpoint, as a dict (no process groups).");
+  if (!bind_load) return;
+  cls.def(
+      "load_state_dict",
+      [](State& s, const py::object& d) { s.load_state_dict(state_dict_arg(d)); },
+      py::arg("state_dict"), "Restores state_dict()'s content.");
 }
 
 // The binding units, one per area; module.cpp calls them in this order.

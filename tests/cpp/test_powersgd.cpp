@@ -1103,6 +1103,68 @@ TEST(PowerSGDErrors, CheckpointMisuseIsRejected) {
               HasSubstr("not a ddpx PowerSGDState checkpoint"));
 }
 
+// Issue 10, item 3: a checkpoint whose error memory does not have its parameter's size (a corrupt
+// checkpoint, or one saved for a model with other shapes) used to be accepted silently and its
+// error feedback dropped. Q memories may legitimately be dropped (the rank changed); an error
+// memory always has its parameter's size. Strict by default: the first step raises, naming the
+// parameter and both sizes; load_state_dict(d, /*strict=*/false) keeps the old lenient load.
+TEST(PowerSGDErrors, CheckpointForOtherShapesIsRejectedUnlessLenient) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  const Layout layout = {{0, 1}};
+  auto saved = make_state(pg, options(1, 2.0, 2));
+  {
+    auto hook = ddpx::hooks::powerSGD_hook(saved);
+    const Shapes shapes = {{8, 6}, {6}};
+    const auto params = make_params(shapes, at::kFloat);
+    for (int s = 0; s < 4; ++s) {
+      ASSERT_FALSE(run_step(*hook, params, layout, grads_of(9, s, 0, shapes, at::kFloat)).empty());
+    }
+  }
+  const auto checkpoint = saved->state_dict();
+  const Shapes other = {{8, 5}, {6}};  // parameter 0 has 40 elements, not 48
+  for (bool strict : {true, false}) {
+    auto st = make_state(pg, PowerSGDOptions{});
+    st->load_state_dict(checkpoint, strict);
+    auto hook = ddpx::hooks::powerSGD_hook(st);
+    const auto params = make_params(other, at::kFloat);
+    const auto grads = grads_of(9, 4, 0, other, at::kFloat);
+    at::Tensor buffer = at::cat({grads[0].reshape({-1}), grads[1].reshape({-1})});
+    auto bucket = ddpx_test::make_bucket(buffer, params, 0, 1);
+    if (strict) {
+      EXPECT_THAT(value_error([&] { hook->runHook(bucket->get()); }),
+                  AllOf(HasSubstr("parameter 0"), HasSubstr("48"), HasSubstr("[8, 5]"),
+                        HasSubstr("strict=False")));
+    } else {
+      FuturePtr f = hook->runHook(bucket->get());
+      f->wait();
+      EXPECT_FALSE(f->hasError()) << f->tryRetrieveErrorMessage();
+    }
+  }
+}
+
+// Wrong value types in a checkpoint used to hit an internal assert ("please report a bug to
+// PyTorch"): a TypeError naming the key instead.
+TEST(PowerSGDErrors, CheckpointValuesOfTheWrongTypeNameTheKey) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  const auto good = make_state(pg, options(1, 2.0, 2))->state_dict();
+  const std::vector<std::pair<std::string, c10::IValue>> bad = {
+      {"iter", c10::IValue(std::string("5"))},
+      {"matrix_approximation_rank", c10::IValue(1.5)},
+      {"use_error_feedback", c10::IValue(int64_t{1})},
+      {"rng", c10::IValue(int64_t{0})},
+      {"error", c10::IValue(int64_t{0})},
+      {"min_compression_rate", c10::IValue(std::string("2"))},
+  };
+  for (const auto& kv : bad) {
+    c10::impl::GenericDict d = good.copy();
+    d.insert_or_assign(kv.first, kv.second);
+    auto st = make_state(pg, PowerSGDOptions{});
+    const std::string msg = ddpx_test::error_message([&] { st->load_state_dict(d); });
+    EXPECT_THAT(msg, AllOf(HasSubstr("'" + kv.first + "'"), ::testing::Not(HasSubstr("PyTorch"))))
+        << kv.first;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -541,4 +541,29 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
         a.zero_grad()
         out[f"reuse_{mode}_first_model_after"] = catch(lambda: backward(a, 3))
         out[f"reuse_{mode}_iter"] = state.iter
+
+    # Checkpoints (issue 10, item 3). A value of the wrong type: a TypeError naming the key, not
+    # an internal assert that blames PyTorch.
+    good = P(None, start_powerSGD_iter=2).state_dict()
+    for key, value in (("iter", "5"), ("matrix_approximation_rank", 1.5), ("rng", 0),
+                       ("error", 0)):
+        out[f"load_type_{key}"] = catch(lambda: P(None).load_state_dict({**good, key: value}))
+    # A checkpoint of a model with other shapes: its error memories do not fit. Strict (the
+    # default): the first compressed backward fails naming the parameter; strict=False drops them.
+    saved = P(None, start_powerSGD_iter=2)
+    ddp = wrap_ddp(make_model())
+    register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, saved)
+    for step in range(3):
+        ddp.zero_grad()
+        backward(ddp, step)
+    checkpoint = saved.state_dict()
+    first = next(iter(checkpoint["error"].values()))
+    checkpoint["error"] = {k: torch.zeros(v.numel() + 1) for k, v in checkpoint["error"].items()}
+    for strict in (True, False):
+        st = P(None, start_powerSGD_iter=2)
+        st.load_state_dict(checkpoint, strict=strict)
+        ddp = wrap_ddp(make_model())
+        register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, st)
+        out[f"load_shapes_strict_{strict}"] = catch(lambda: backward(ddp, 3))
+    out["load_shapes_numel"] = first.numel()
     return out

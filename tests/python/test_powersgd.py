@@ -632,3 +632,16 @@ def test_cuda_batch_same_shape_matches_torch(backend, world_size, buckets):
     res = run_ranks(pc.rank_train, world_size, args=(cfgs, CUDA_STEPS), backend=backend,
                     kwargs=kwargs)
     check_cuda_against_torch(res, "r2_batch")
+
+@pytest.mark.parametrize("key", ["iter", "matrix_approximation_rank", "rng", "error"])
+def test_checkpoint_value_of_the_wrong_type_names_the_key(key):
+    kind, message = errors()[f"load_type_{key}"]
+    assert kind == "TypeError" and f"'{key}'" in message and "PyTorch" not in message, message
+
+
+def test_checkpoint_for_other_shapes_is_rejected_unless_lenient():
+    res = errors()
+    kind, message = res["load_shapes_strict_True"]
+    assert kind == "RuntimeError" or kind == "ValueError", res["load_shapes_strict_True"]
+    assert "error-feedback memory for parameter" in message and "strict=False" in message
+    assert res["load_shapes_strict_False"] is None

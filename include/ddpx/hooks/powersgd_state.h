@@ -110,7 +110,13 @@ class PowerSGDState {
 
   // Checkpoint: iteration, statistics, generator and per-parameter memories (no process group).
   c10::impl::GenericDict state_dict() const;
-  void load_state_dict(const c10::impl::GenericDict& state);
+  // Restores state_dict()'s content (keys and value types checked: c10::TypeError naming the
+  // key). Memories reach their parameters when the buckets first run. `strict`: an error memory
+  // whose size is not its parameter's (a corrupt checkpoint, or one saved for other shapes)
+  // raises c10::ValueError at that parameter's first step, naming it and both sizes; with strict
+  // false it is dropped (error feedback restarts from zero for that parameter). Q memories of
+  // another size are always dropped: a changed rank legitimately changes them.
+  void load_state_dict(const c10::impl::GenericDict& state, bool strict = true);
   // Same content through torch's pickler, for C++ programs (torch::pickle_save format).
   std::vector<char> save() const;
   void load(const std::vector<char>& bytes);

@@ -107,9 +107,17 @@ class PowerSGDState(NativeState):
 
     # -- checkpointing ---------------------------------------------------------------------------
     # state_dict() (hyperparameters, iteration, statistics, generator state and per-parameter
-    # memories as CPU tensors), load_state_dict() (call it before the first backward of the new
-    # DDP model; memories reach their parameters as the buckets first run) and pickling come
-    # from NativeState.
+    # memories as CPU tensors) and pickling come from NativeState.
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        """Restores :meth:`state_dict`'s content. Call it before the first backward of the new
+        DDP model: memories reach their parameters as the buckets first run. A value of the wrong
+        type raises TypeError naming its key. ``strict``: an error-feedback memory whose size is
+        not its parameter's (a corrupt checkpoint, or one saved for a model with other shapes)
+        raises ValueError at that parameter's first step; with ``strict=False`` it is dropped
+        (error feedback restarts from zero there). Q memories of another size are always dropped
+        (a changed rank legitimately changes them)."""
+        self._cpp.load_state_dict(state_dict, strict=bool(strict))
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         logger.warning(
             "NOTE: Process group will be set to a default group (i.e. the world size). If a "
