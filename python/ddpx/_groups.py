@@ -13,8 +13,8 @@ def resolve_group(group: Any, who: str, arg: str = "process_group",
                   non_member_ok: bool = False) -> Optional[dist.ProcessGroup]:
     """The ProcessGroup to hand to C++ for the argument ``arg`` of ``who``: None means the default
     group (WORLD), as in torch. With ``non_member_ok``, the placeholder torch uses on ranks outside
-    a group (``GroupMember.NON_GROUP_MEMBER``) becomes None: "not a member". Anything else must be
-    a ProcessGroup (TypeError)."""
+    a group (``GroupMember.NON_GROUP_MEMBER``) becomes None: "not a member"; without it, that
+    placeholder is a ValueError saying so. Anything else must be a ProcessGroup (TypeError)."""
     if group is None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -22,8 +22,14 @@ def resolve_group(group: Any, who: str, arg: str = "process_group",
                 "torch.distributed is not initialized; call dist.init_process_group() first"
             )
         return dist.group.WORLD
-    if non_member_ok and is_non_group_member(group):
-        return None
+    if is_non_group_member(group):
+        if non_member_ok:
+            return None
+        raise ValueError(
+            f"{who}: this rank is not a member of the process group given as {arg} "
+            "(torch hands ranks outside a dist.new_group() its NON_GROUP_MEMBER placeholder); "
+            "use the group only on its member ranks, or pass a group this rank belongs to"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{who}: {arg} must be a torch.distributed.ProcessGroup or None (the default "

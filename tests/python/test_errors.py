@@ -58,6 +58,19 @@ def rank_errors(rank: int, world_size: int):
         lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.allreduce_hook))
     _backward(ddp, rank)
     out["grads_after_refusals"] = dc.flat_grad(ddp)
+    # DDP's logging data names the hook as the drop-in path (and torch) name it (issue 10).
+    out["logged_name_native"] = ddp._get_ddp_logging_data().get("comm_hook")
+    dropin = dc.make_ddp(dc.make_model(), "torch_none")
+    dropin.register_comm_hook(None, ddpx.hooks.allreduce_hook)
+    out["logged_name_dropin"] = dropin._get_ddp_logging_data().get("comm_hook")
+
+    # A group this rank is not a member of (torch hands such ranks GroupMember.NON_GROUP_MEMBER):
+    # the error says so (issue 10; it used to say "got object" / "got int").
+    only_rank0 = dist.new_group(ranks=[0])
+    out["non_member_group"] = catch(lambda: ddpx.register_comm_hook(
+        dc.make_ddp(dc.make_model(), "torch_none"), only_rank0, ddpx.hooks.allreduce_hook))
+    out["non_member_state"] = catch(lambda: ddpx.hooks.PowerSGDState(only_rank0))
+    dist.barrier()
 
     # -- errors the C++ constructors raise ----------------------------------------------------
     out["compress_hook_fp32"] = catch(
@@ -208,3 +221,18 @@ def test_default_group_needs_init():
 def test_noop_needs_no_group():
     hook = ddpx.hooks.native_hook(ddpx.hooks.noop_hook, None)
     assert hook.name == "noop_hook"
+
+
+def test_native_registration_logs_the_hook_name_as_the_dropin_path():
+    for rank_record in record():
+        assert rank_record["logged_name_native"] == rank_record["logged_name_dropin"]
+        assert rank_record["logged_name_native"] == "allreduce_hook"
+
+
+@pytest.mark.parametrize("case", ["non_member_group", "non_member_state"])
+def test_a_group_this_rank_is_not_in_is_named_as_such(case):
+    rec = record()
+    assert rec[0][case] is None  # rank 0 is the group's member
+    for rank_record in rec[1:]:
+        name, msg = rank_record[case]
+        assert name == "ValueError" and "this rank is not a member" in msg, rank_record[case]

@@ -154,7 +154,9 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
         )
     native = native_hook(hook, state)
     _call_back(state, "_ddpx_on_register_", ddp_model)
-    _compat.set_comm_hook_name(ddp_model, "ddpx." + hook._ddpx_name)
+    # The name DDP's logging data records for this hook: the same as on the drop-in path (DDP
+    # logs a Python hook's __qualname__), so monitoring sees one name whichever path registered it.
+    _compat.set_comm_hook_name(ddp_model, hook.__qualname__)
     _C.register_comm_hook(_compat.reducer_of(ddp_model), native)
     _compat.record_comm_hook(ddp_model, hook, state)
 
