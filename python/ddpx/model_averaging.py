@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._groups import group_ranks, new_subgroups_by_ranks, resolve_group
 from ._loader import _C
-from .hooks._native import native_property
+from .hooks._native import check_int, native_property
 from .hooks.post_localSGD_hook import hook_state_of
 
 __all__ = [
@@ -98,7 +98,8 @@ class ModelAverager:
         "last_stats", readonly=True,
         doc="What the last :meth:`average_parameters` call did (all zeros if it did not average).")
     warmup_steps = native_property(
-        "warmup_steps", readonly=True, doc="Steps without averaging before the first one.")
+        "warmup_steps", check=lambda name, value: check_int("ModelAverager", name, value),
+        doc="Steps without averaging before the first one (settable mid-run, as torch's).")
 
     def average_parameters(self, params: Params) -> None:
         """Averages the parameters of a model, or of optimizer parameter groups, that have a
@@ -150,7 +151,9 @@ class PeriodicModelAverager(ModelAverager):
                                              _native_group(self.process_group),
                                              _bucket_bytes(bucket_cap_mb))
 
-    period = native_property("period", readonly=True, doc="Steps per model averaging.")
+    period = native_property(
+        "period", check=lambda name, value: check_int("PeriodicModelAverager", name, value),
+        doc="Steps per model averaging (settable mid-run, as torch's: a schedule may change it).")
 
 
 class HierarchicalModelAverager(ModelAverager):

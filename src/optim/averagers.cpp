@@ -61,6 +61,17 @@ PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_step
   }
 }
 
+void PeriodicModelAverager::set_period(int64_t period) {
+  TORCH_CHECK_VALUE(period >= 1,
+                    "PeriodicModelAverager: Arg ``period`` must be a positive value, got ", period);
+  period_ = period;
+}
+
+void PeriodicModelAverager::set_warmup_steps(int64_t warmup_steps) {
+  check_warmup("PeriodicModelAverager", warmup_steps);
+  warmup_steps_ = warmup_steps;
+}
+
 void PeriodicModelAverager::average_parameters(const std::vector<at::Tensor>& params) {
   last_stats_ = AverageStats{};
   if (step_ >= warmup_steps_ && (step_ - warmup_steps_) % period_ == 0) {
@@ -102,6 +113,11 @@ HierarchicalModelAverager::HierarchicalModelAverager(
                kPeriodOneAdvice);
   }
   check_warmup(who, warmup_steps);
+}
+
+void HierarchicalModelAverager::set_warmup_steps(int64_t warmup_steps) {
+  check_warmup("HierarchicalModelAverager", warmup_steps);
+  warmup_steps_ = warmup_steps;
 }
 
 int64_t HierarchicalModelAverager::group_index_for_step(int64_t step) const {

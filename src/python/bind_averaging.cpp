@@ -80,8 +80,9 @@ void bind_averaging(py::module& m) {
           }),
           py::arg("period"), py::arg("warmup_steps"), py::arg("process_group"),
           py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes)
-      .def_property_readonly("period", &PeriodicModelAverager::period)
-      .def_property_readonly("warmup_steps", &PeriodicModelAverager::warmup_steps);
+      .def_property("period", &PeriodicModelAverager::period, &PeriodicModelAverager::set_period)
+      .def_property("warmup_steps", &PeriodicModelAverager::warmup_steps,
+                    &PeriodicModelAverager::set_warmup_steps);
 
   py::class_<HierarchicalModelAverager, ModelAverager, std::shared_ptr<HierarchicalModelAverager>>(
       m, "HierarchicalModelAverager", "Native HierarchicalModelAverager.")
@@ -100,7 +101,8 @@ void bind_averaging(py::module& m) {
            }),
            py::arg("period_groups"), py::arg("warmup_steps"), py::arg("process_group"),
            py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes)
-      .def_property_readonly("warmup_steps", &HierarchicalModelAverager::warmup_steps)
+      .def_property("warmup_steps", &HierarchicalModelAverager::warmup_steps,
+                    &HierarchicalModelAverager::set_warmup_steps)
       .def("group_index_for_step", &HierarchicalModelAverager::group_index_for_step,
            py::arg("step"));
 }

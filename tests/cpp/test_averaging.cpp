@@ -738,6 +738,27 @@ TEST(PeriodicModelAverager, SetStepAndParamGroups) {
   });
 }
 
+// Issue 10: period and warmup_steps are settable mid-run, as torch's attributes are; the next
+// call follows the new schedule.
+TEST(PeriodicModelAverager, PeriodAndWarmupChangeMidRun) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    ddpx::PeriodicModelAverager avg(2, 0, pg);
+    at::Tensor p = at::zeros({4}).requires_grad_();
+    p.mutable_grad() = at::zeros({4});
+    std::vector<int64_t> averaged;
+    for (int64_t step = 0; step < 12; ++step) {
+      if (step == 4) avg.set_period(3);         // steps 6, 9 (step - warmup divisible by 3)
+      if (step == 9) avg.set_warmup_steps(10);  // then nothing before step 10, then 10 and 13
+      avg.average_parameters(std::vector<at::Tensor>{p});
+      if (avg.last_stats().collectives > 0) averaged.push_back(step);
+    }
+    EXPECT_EQ(averaged, (std::vector<int64_t>{0, 2, 6, 10})) << "rank " << rank;
+    EXPECT_EQ(avg.period(), 3);
+    EXPECT_THAT(value_error([&] { avg.set_period(0); }), HasSubstr("period"));
+    EXPECT_THAT(value_error([&] { avg.set_warmup_steps(-1); }), HasSubstr("warmup_steps"));
+  });
+}
+
 TEST(PeriodicModelAverager, InvalidArguments) {
   const auto& pg = ddpx_test::shared_gloo_world(2)[0];
   EXPECT_THAT(value_error([&] { ddpx::PeriodicModelAverager(0, 0, pg); }), HasSubstr("period"));

@@ -482,6 +482,27 @@ def average_direct(rank: int, world_size: int) -> Dict[str, Any]:
     ddpx.model_averaging.average_parameters([view, view[10:1010], view], None)
     out["duplicate"] = {"torch": ref.detach().clone(), "averager": twice.detach().clone(),
                         "views": view}
+    # period / warmup_steps changed mid-run (issue 10): the same schedule as torch's averager.
+    schedule = {}
+    for impl, make in (("torch", tavg.PeriodicModelAverager),
+                       ("ddpx", ddpx.model_averaging.PeriodicModelAverager)):
+        av = make(period=2, warmup_steps=0)
+        p = nn.Parameter(torch.zeros(3))
+        p.grad = torch.zeros(3)
+        steps = []
+        for step in range(12):
+            if step == 4:
+                av.period = 3
+            if step == 9:
+                av.warmup_steps = 10
+            with torch.no_grad():
+                p.fill_(float(rank + step))
+            av.average_parameters([p])
+            if p[0].item() != float(rank + step):
+                steps.append(step)
+        schedule[impl] = steps
+    out["schedule"] = schedule
+
     # Ranks passing different parameters (issue 10, item 4; Gloo used to abort the process): a
     # ValueError on every rank, and the group stays usable (the calls below still run).
     out["mismatch"] = catch(

@@ -429,6 +429,11 @@ def test_duplicate_parameters_average_like_torch(world_size):
                 torch.testing.assert_close(got, d["torch"], **tol)
 
 
+def test_period_and_warmup_settable_mid_run_like_torch():
+    for res in case(2, "average"):
+        assert res["schedule"]["ddpx"] == res["schedule"]["torch"] == [0, 2, 6, 10]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_with_different_parameters_raise_value_error(world_size):
     for res in case(world_size, "average"):

@@ -69,6 +69,11 @@ class PeriodicModelAverager final : public ModelAverager {
 
   int64_t period() const { return period_; }
   int64_t warmup_steps() const { return warmup_steps_; }
+  // Settable mid-run, as torch's attributes are (a schedule that changes the period): the next
+  // average_parameters call uses the new values. period < 1 and warmup_steps < 0 throw
+  // c10::ValueError.
+  void set_period(int64_t period);
+  void set_warmup_steps(int64_t warmup_steps);
 
  private:
   int64_t period_;
@@ -96,6 +101,8 @@ class HierarchicalModelAverager final : public ModelAverager {
     return period_groups_;
   }
   int64_t warmup_steps() const { return warmup_steps_; }
+  // Settable mid-run, as torch's attribute is; < 0 throws c10::ValueError.
+  void set_warmup_steps(int64_t warmup_steps);
 
   // Index into period_groups() of the group that averages at `step`, or -1 for none (ignores
   // the warm-up).
