@@ -157,9 +157,26 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
       c10::TensorType::get());
 }
 
+namespace {
+c10::intrusive_ptr<c10::ivalue::Future> sparse_allreduce_mean(const ProcessGroupPtr& pg,
+                                                              const at::Tensor& tensor) {
+  TORCH_INTERNAL_ASSERT(pg && tensor.is_sparse());
+  tensor.div_(pg->getSize());
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = pg->allreduce(tensors);
+  return work->getFuture()->then(
+      [](c10::ivalue::Future& f) {
+        const c10::IValue v = f.value();  // rethrows a failed collective
+        return c10::IValue(v.isTensor() ? v.toTensor() : v.toTensorVector().at(0));
+      },
+      c10::TensorType::get());
+}
+}  // namespace
+
 c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg,
                                                        const at::Tensor& tensor,
                                                        ExchangeMode mode) {
+  if (tensor.is_sparse()) return sparse_allreduce_mean(pg, tensor);
   const double inv_world = 1.0 / pg->getSize();
   if (resolve_exchange_mode(mode, *pg, tensor.scalar_type(), tensor.device()) ==
       ExchangeMode::kAllgather) {

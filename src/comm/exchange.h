@@ -30,7 +30,10 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
 
 // The mean of `tensor` over the group, written back into `tensor`: torch's allreduce_hook
 // (divide, then allreduce; bit-identical for fp32/fp64), or for 16-bit values where the mode
-// resolves to kAllgather, a gather with the division applied once to the fp32 sum.
+// resolves to kAllgather, a gather with the division applied once to the fp32 sum. A sparse
+// `tensor` (nn.Embedding(sparse=True)) is divided in place and summed by the backend's sparse
+// allreduce, as torch's hook does (Gloo; NCCL has none): the future then holds the new,
+// coalesced sum, not `tensor`.
 c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg,
                                                        const at::Tensor& tensor, ExchangeMode mode);
 

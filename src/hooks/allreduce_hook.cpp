@@ -14,7 +14,7 @@ AllreduceHook::AllreduceHook(ProcessGroupPtr process_group, ExchangeMode exchang
 
 c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBuffer();
-  detail::check_bucket(buffer, name());
+  detail::check_bucket(buffer, name(), /*sparse_ok=*/true);
   return comm::allreduce_mean(pg_, buffer, exchange_);
 }
 

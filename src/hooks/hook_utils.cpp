@@ -26,14 +26,16 @@ at::Tensor parse_hook_result(const c10::IValue& result, const std::string& hook_
               result.tagKind());
 }
 
-void check_bucket(const at::Tensor& buffer, const std::string& hook_name) {
+void check_bucket(const at::Tensor& buffer, const std::string& hook_name, bool sparse_ok) {
   TORCH_CHECK(buffer.defined(), hook_name, ": the bucket has no gradient buffer");
-  TORCH_CHECK(!buffer.is_sparse(), hook_name,
-              ": sparse gradients are not supported (DDP gives sparse buckets for "
-              "nn.Embedding(sparse=True)); use dense gradients or torch's default allreduce");
+  TORCH_CHECK(sparse_ok || !buffer.is_sparse(), hook_name,
+              ": sparse gradients cannot be compressed (DDP gives sparse buckets for "
+              "nn.Embedding(sparse=True)); use dense gradients, or allreduce_hook / "
+              "post_localSGD_hook, which average sparse buckets as torch's do");
   TORCH_CHECK(buffer.is_floating_point(), hook_name,
               ": the bucket must hold floating-point gradients, got dtype ", buffer.scalar_type());
-  TORCH_CHECK(buffer.is_contiguous(), hook_name, ": the bucket buffer must be contiguous");
+  TORCH_CHECK(buffer.is_sparse() || buffer.is_contiguous(), hook_name,
+              ": the bucket buffer must be contiguous");
 }
 
 void check_process_group(const ProcessGroupPtr& pg, const std::string& hook_name) {

@@ -14,7 +14,9 @@ namespace detail {
 
 // Checks what every hook needs of a bucket: dense, contiguous, floating point. Errors name the
 // hook and say what to change.
-void check_bucket(const at::Tensor& buffer, const std::string& hook_name);
+// `sparse_ok`: a sparse bucket (nn.Embedding(sparse=True)) is accepted, as by torch's
+// allreduce-based hooks; otherwise it is refused with an error that says what to use.
+void check_bucket(const at::Tensor& buffer, const std::string& hook_name, bool sparse_ok = false);
 
 // The tensor a hook's future holds (a Tensor, or a list of one Tensor).
 at::Tensor parse_hook_result(const c10::IValue& result, const std::string& hook_name);

@@ -109,7 +109,7 @@ PostLocalSGDHook::PostLocalSGDHook(std::shared_ptr<PostLocalSGDState> state)
 
 c10::intrusive_ptr<c10::ivalue::Future> PostLocalSGDHook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBuffer();
-  detail::check_bucket(buffer, name());
+  detail::check_bucket(buffer, name(), /*sparse_ok=*/true);
   PostLocalSGDState& st = *state_;
   // Global averaging for the first start_localSGD_iter iterations.
   if (st.iter() < st.start_localSGD_iter()) {

@@ -498,7 +498,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& 
   const bool is_last = bucket.isLast();
   std::vector<int64_t> keys;
   try {
-    detail::check_bucket(input, name());
+    detail::check_bucket(input, name(), /*sparse_ok=*/true);
     keys = st.keys_for(bucket, name());
   } catch (...) {
     round_two.flush();
@@ -508,6 +508,13 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& 
     round_two.flush();
     st.maybe_increase_iter(is_last);
     return comm::allreduce_mean(st.process_group(), input, ExchangeMode::kAuto);
+  }
+  if (input.is_sparse()) {
+    round_two.flush();
+    TORCH_CHECK(false, name(),
+                ": sparse gradients cannot be compressed (DDP gives sparse buckets for "
+                "nn.Embedding(sparse=True)); they are averaged by plain allreduce only before "
+                "start_powerSGD_iter. Use dense gradients, or allreduce_hook");
   }
   std::shared_ptr<PowerSGDJob> job;
   try {

@@ -498,15 +498,39 @@ std::vector<CommHookPtr> hooks_that_check_buckets(const ProcessGroupPtr& pg) {
           fp16_compress_wrapper(allreduce_hook(pg)), bf16_compress_wrapper(allreduce_hook(pg))};
 }
 
-TEST(HookErrors, SparseBucketIsRejected) {
+// Sparse buckets (nn.Embedding(sparse=True)): the compression hooks refuse them, naming the hooks
+// that do take them; allreduce_hook averages them as torch's does (a sparse allreduce).
+TEST(HookErrors, SparseBucketIsRejectedByCompression) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];
   at::Tensor indices = at::zeros({1, 2}, at::kLong);
   indices[0][1] = 3;
   at::Tensor sparse = at::sparse_coo_tensor(indices, at::ones({2}), {8});
   for (const auto& hook : hooks_that_check_buckets(pg)) {
+    if (hook->name() == "allreduce_hook") continue;
     auto bucket = ddpx_test::make_bucket(sparse);
     EXPECT_THAT(ddpx_test::error_message([&] { hook->runHook(bucket->get()); }),
-                AllOf(HasSubstr(hook->name()), HasSubstr("sparse")));
+                AllOf(HasSubstr(hook->name()), HasSubstr("sparse gradients cannot be compressed"),
+                      HasSubstr("allreduce_hook")));
+  }
+}
+
+TEST(HookErrors, SparseBucketIsAveragedByAllreduce) {
+  at::Tensor indices = at::zeros({1, 2}, at::kLong);
+  indices[0][1] = 3;
+  for (int world : {1, 2}) {
+    ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+      at::Tensor sparse =
+          at::sparse_coo_tensor(indices, at::full({2}, static_cast<float>(rank + 1)), {8});
+      auto bucket = ddpx_test::make_bucket(sparse);
+      auto fut = ddpx::hooks::allreduce_hook(pg)->runHook(bucket->get());
+      fut->wait();
+      ASSERT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
+      const at::Tensor got = fut->value().toTensor().to_dense();
+      // Elements 0 and 3 hold the mean of rank + 1 over the ranks (1, or 1.5 on two ranks).
+      at::Tensor want = at::zeros({8});
+      want[0] = want[3] = world == 1 ? 1.0f : 1.5f;
+      EXPECT_TRUE(bitwise_equal(got, want)) << "world " << world << " rank " << rank << ": " << got;
+    });
   }
 }
 

@@ -99,6 +99,35 @@ def rank_errors(rank: int, world_size: int):
         out[f"sparse_{mode}_backward"] = catch(loss.backward)
         dist.barrier()
 
+    # Sparse buckets where torch averages them (issue 10): allreduce_hook, post_localSGD_hook
+    # and powerSGD_hook before start_powerSGD_iter give torch's allreduce_hook's gradient;
+    # PowerSGD once compressing raises a clear error.
+    def sparse_grad(register, steps=1):
+        torch.manual_seed(0)
+        emb = DDP(nn.Embedding(10, 4, sparse=True))
+        register(emb)
+        for step in range(steps):
+            emb.zero_grad()
+            emb(torch.tensor([1, 2, 2 + rank + step])).sum().backward()
+        return emb.module.weight.grad.to_dense()
+
+    out["sparse_torch"] = sparse_grad(
+        lambda m: m.register_comm_hook(None, torch_hooks.allreduce_hook))
+    for mode in dc.MODES:
+        reg = (lambda m, st, h: m.register_comm_hook(st, h)) if mode == "dropin" else \
+            (lambda m, st, h: ddpx.register_comm_hook(m, st, h))
+        out[f"sparse_allreduce_{mode}"] = sparse_grad(
+            lambda m: reg(m, None, ddpx.hooks.allreduce_hook))
+        out[f"sparse_post_local_{mode}"] = sparse_grad(lambda m: reg(
+            m, ddpx.hooks.PostLocalSGDState(None, dist.group.WORLD, start_localSGD_iter=5),
+            ddpx.hooks.post_localSGD_hook))
+        out[f"sparse_powersgd_{mode}"] = sparse_grad(lambda m: reg(
+            m, ddpx.hooks.PowerSGDState(None, start_powerSGD_iter=5), ddpx.hooks.powerSGD_hook))
+        out[f"sparse_powersgd_compressing_{mode}"] = catch(lambda: sparse_grad(lambda m: reg(
+            m, ddpx.hooks.PowerSGDState(None, start_powerSGD_iter=2), ddpx.hooks.powerSGD_hook),
+            steps=3))
+        dist.barrier()
+
     # A bucket that is not floating point: DDP never builds one (integer tensors cannot require
     # grad, and 1.13's DDP cannot even broadcast complex parameters), so a Python hook hands
     # the C++ hook a real GradBucket whose buffer it replaced by an int32 tensor.
@@ -236,3 +265,20 @@ def test_a_group_this_rank_is_not_in_is_named_as_such(case):
     for rank_record in rec[1:]:
         name, msg = rank_record[case]
         assert name == "ValueError" and "this rank is not a member" in msg, rank_record[case]
+
+
+@pytest.mark.parametrize("mode", dc.MODES)
+@pytest.mark.parametrize("hook", ["allreduce", "post_local", "powersgd"])
+def test_sparse_gradients_average_like_torch(hook, mode):
+    """nn.Embedding(sparse=True): allreduce_hook, post_localSGD_hook (global phase) and
+    powerSGD_hook before start_powerSGD_iter average the sparse bucket as torch's
+    allreduce_hook does (bit for bit on 2 ranks)."""
+    for rank_record in record():
+        got, ref = rank_record[f"sparse_{hook}_{mode}"], rank_record["sparse_torch"]
+        assert torch.equal(got, ref), (got, ref)
+
+
+@pytest.mark.parametrize("mode", dc.MODES)
+def test_sparse_gradients_cannot_be_compressed(mode):
+    check(f"sparse_powersgd_compressing_{mode}", "RuntimeError", "powerSGD_hook",
+          "sparse gradients cannot be compressed", "start_powerSGD_iter")
