@@ -210,6 +210,11 @@ std::map<int64_t, at::Tensor> PowerSGDState::q_memories() const {
 
 bool PowerSGDState::round_two_pending() const { return memory_->round_two.pending(); }
 
+void PowerSGDState::clear_memories() {
+  TORCH_CHECK(!round_two_pending(), "PowerSGDState.clear_memories(): called during backward");
+  memory_->clear_memories();
+}
+
 c10::impl::GenericDict PowerSGDState::state_dict() const {
   TORCH_CHECK(!round_two_pending(), "PowerSGDState.state_dict(): called during backward");
   const detail::PowerSGDMemory& mem = *memory_;

@@ -53,6 +53,9 @@ void bind_powersgd(py::module& m) {
       .def("set_logger", &PowerSGDState::set_logger, py::arg("logger"))
       .def("error_dict", &PowerSGDState::error_memories,
            "Per-parameter error-feedback residuals, keyed by parameter order of first appearance.")
+      .def("clear_memories", &PowerSGDState::clear_memories,
+           "Zeroes the error-feedback residuals and drops the warm-start Q factors (the way out "
+           "after a step with NaN/Inf gradients).")
       .def("q_memory_dict", &PowerSGDState::q_memories,
            "Per-parameter warm-start Q factors, keyed like error_dict().");
   def_state_dict(state, /*bind_load=*/false);

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -1070,6 +1071,45 @@ TEST(PowerSGDOptionsMidRun, ErrorFeedbackTurnedOnAndOff) {
     o.use_error_feedback = false;
     st->set_options(o);
     EXPECT_FALSE(run().second.empty());
+  }
+}
+
+// Issue 10: after a step with a NaN gradient, the memories (error feedback, warm-start Q) hold
+// NaN and every later step's result is NaN, as with torch's hook; clear_memories() is the way
+// out: the next step is finite again.
+TEST(PowerSGDNonFinite, ClearMemoriesRecoversFromANaNStep) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  const Shapes shapes = {{40, 30}, {20, 25}};
+  const Layout layout = {{0}, {1}};
+  for (bool batched : {false, true}) {
+    auto st = make_state(pg, options(1, 2.0, 2));
+    CommHookPtr hook =
+        batched ? ddpx::hooks::batched_powerSGD_hook(st) : ddpx::hooks::powerSGD_hook(st);
+    const auto params = make_params(shapes, at::kFloat);
+    auto all_finite = [](const std::vector<at::Tensor>& out) {
+      bool ok = !out.empty();
+      for (const auto& t : out) ok = ok && at::isfinite(t).all().item<bool>();
+      return ok;
+    };
+    int step = 0;
+    for (; step < 3; ++step) {
+      ASSERT_TRUE(
+          all_finite(run_step(*hook, params, layout, grads_of(4, step, 0, shapes, at::kFloat))));
+    }
+    auto bad = grads_of(4, step++, 0, shapes, at::kFloat);
+    bad[0].view({-1})[7] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_FALSE(all_finite(run_step(*hook, params, layout, bad)));
+    // The NaN stays in the memories: the next, finite gradients still come back non-finite.
+    EXPECT_FALSE(
+        all_finite(run_step(*hook, params, layout, grads_of(4, step++, 0, shapes, at::kFloat))))
+        << "batched " << batched;
+    st->clear_memories();
+    for (const auto& kv : st->error_memories()) {
+      EXPECT_TRUE(at::equal(kv.second, at::zeros_like(kv.second)));
+    }
+    EXPECT_TRUE(
+        all_finite(run_step(*hook, params, layout, grads_of(4, step++, 0, shapes, at::kFloat))))
+        << "batched " << batched << ": still non-finite after clear_memories()";
   }
 }
 

@@ -566,4 +566,14 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
         register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, st)
         out[f"load_shapes_strict_{strict}"] = catch(lambda: backward(ddp, 3))
     out["load_shapes_numel"] = first.numel()
+    # clear_memories() after training: residuals zeroed, and training goes on.
+    st = P(None, start_powerSGD_iter=2)
+    ddp = wrap_ddp(make_model())
+    register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, st)
+    for step in range(3):
+        ddp.zero_grad()
+        backward(ddp, step)
+    st.clear_memories()
+    out["cleared_error_max"] = max(float(t.abs().max()) for t in st.error_dict.values())
+    out["after_clear"] = catch(lambda: backward(ddp, 3))
     return out

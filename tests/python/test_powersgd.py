@@ -645,3 +645,8 @@ def test_checkpoint_for_other_shapes_is_rejected_unless_lenient():
     assert kind == "RuntimeError" or kind == "ValueError", res["load_shapes_strict_True"]
     assert "error-feedback memory for parameter" in message and "strict=False" in message
     assert res["load_shapes_strict_False"] is None
+
+
+def test_clear_memories_zeroes_the_residuals_and_training_goes_on():
+    res = errors()
+    assert res["cleared_error_max"] == 0.0 and res["after_clear"] is None

@@ -101,6 +101,13 @@ class PowerSGDState(NativeState):
         "q_memory_dict", get=lambda cpp, name: cpp.q_memory_dict(), readonly=True,
         doc="Warm-start Q factors per compressed parameter (views of the live buffers).")
 
+    def clear_memories(self) -> None:
+        """Zeroes the error-feedback residuals and drops the warm-start Q factors (the next
+        compressed step draws fresh ones). ddpx only: after a step whose gradients held NaN or
+        Inf, PowerSGD's memories hold them too (torch's as well), and every later step would
+        carry them; call this between steps to start the memories afresh."""
+        self._cpp.clear_memories()
+
     def compression_stats(self) -> Tuple[float, int, int]:
         """Returns ``(compress_rate, numel_before_compression, numel_after_compression)``."""
         return self._cpp.compression_stats()
