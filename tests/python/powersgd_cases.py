@@ -550,12 +550,17 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
         out[f"load_type_{key}"] = catch(lambda: P(None).load_state_dict({**good, key: value}))
     # A checkpoint of a model with other shapes: its error memories do not fit. Strict (the
     # default): the first compressed backward fails naming the parameter; strict=False drops them.
+    def trained(state):
+        """A native DDP model whose powerSGD_hook has compressed (3 steps) with `state`."""
+        ddp = wrap_ddp(make_model())
+        register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, state)
+        for step in range(3):
+            ddp.zero_grad()
+            backward(ddp, step)
+        return ddp
+
     saved = P(None, start_powerSGD_iter=2)
-    ddp = wrap_ddp(make_model())
-    register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, saved)
-    for step in range(3):
-        ddp.zero_grad()
-        backward(ddp, step)
+    trained(saved)
     checkpoint = saved.state_dict()
     first = next(iter(checkpoint["error"].values()))
     checkpoint["error"] = {k: torch.zeros(v.numel() + 1) for k, v in checkpoint["error"].items()}
@@ -568,11 +573,7 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
     out["load_shapes_numel"] = first.numel()
     # clear_memories() after training: residuals zeroed, and training goes on.
     st = P(None, start_powerSGD_iter=2)
-    ddp = wrap_ddp(make_model())
-    register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, st)
-    for step in range(3):
-        ddp.zero_grad()
-        backward(ddp, step)
+    ddp = trained(st)
     st.clear_memories()
     out["cleared_error_max"] = max(float(t.abs().max()) for t in st.error_dict.values())
     out["after_clear"] = catch(lambda: backward(ddp, 3))
