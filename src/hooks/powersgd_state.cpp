@@ -53,6 +53,11 @@ void NumpyRandint::deserialize(const std::string& text) {
   engine_ = engine;
 }
 
+namespace {
+// Booleans as torch's log line prints them.
+const char* py_bool(bool b) { return b ? "True" : "False"; }
+}  // namespace
+
 PowerSGDState::PowerSGDState(ProcessGroupPtr process_group, PowerSGDOptions options,
                              std::function<void(const std::string&)> logger)
     : pg_(std::move(process_group)),
@@ -69,10 +74,11 @@ PowerSGDState::PowerSGDState(ProcessGroupPtr process_group, PowerSGDOptions opti
      << "; start_powerSGD_iter = " << options_.start_powerSGD_iter
      << "; min_compression_rate = " << options_.min_compression_rate
      << "; orthogonalization_epsilon = " << options_.orthogonalization_epsilon
-     << "; use_error_feedback = " << options_.use_error_feedback
-     << "; warm_start = " << options_.warm_start << "; random_seed = " << options_.random_seed
+     << "; use_error_feedback = " << py_bool(options_.use_error_feedback)
+     << "; warm_start = " << py_bool(options_.warm_start)
+     << "; random_seed = " << options_.random_seed
      << "; compression_stats_logging_frequency = " << options_.compression_stats_logging_frequency
-     << "; batch_tensors_with_same_shape = " << options_.batch_tensors_with_same_shape;
+     << "; batch_tensors_with_same_shape = " << py_bool(options_.batch_tensors_with_same_shape);
   log(os.str());
 }
 

@@ -1113,6 +1113,17 @@ TEST(PowerSGDNonFinite, ClearMemoriesRecoversFromANaNStep) {
   }
 }
 
+// The config record prints booleans as torch's does (True/False), not 1/0 (issue 10).
+TEST(PowerSGDState, ConfigRecordLikeTorchs) {
+  auto lines = std::make_shared<std::vector<std::string>>();
+  PowerSGDOptions o = options(1, 2.0, 2);
+  o.warm_start = false;
+  auto st = make_state(ddpx_test::shared_gloo_world(1)[0], o, lines);
+  ASSERT_EQ(lines->size(), 1u);
+  EXPECT_THAT(lines->front(), AllOf(HasSubstr("use_error_feedback = True; warm_start = False;"),
+                                    HasSubstr("batch_tensors_with_same_shape = False")));
+}
+
 TEST(PowerSGDErrors, CheckpointMisuseIsRejected) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];
   auto st = make_state(pg, options(1, 0.0, 2));

@@ -6,6 +6,7 @@ Rank functions run inside the ranks started by dist_utils.run_ranks; what they r
 in the pytest process.
 """
 import io
+import logging
 import math
 import pickle
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -577,4 +578,30 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
     st.clear_memories()
     out["cleared_error_max"] = max(float(t.abs().max()) for t in st.error_dict.values())
     out["after_clear"] = catch(lambda: backward(ddp, 3))
+
+    # torch's log records (issue 10): the config line at __init__ with the values as given
+    # (booleans True/False, 2.0 as 2.0), the NOTE lines of a pickle round trip, and no second
+    # config line on unpickling; the unpickled state's process_group is the default group.
+    def records(logger_name, make):
+        lg = logging.getLogger(logger_name)
+        got = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                got.append((record.levelname, record.getMessage()))
+
+        handler, level = Keep(), lg.level
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+        try:
+            st = pickle.loads(pickle.dumps(make()))
+            return got, st.process_group is dist.group.WORLD
+        finally:
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+    kw = dict(matrix_approximation_rank=2, start_powerSGD_iter=5, min_compression_rate=2.0,
+              orthogonalization_epsilon=1e-8, compression_stats_logging_frequency=0)
+    out["log_torch"] = records(tp.__name__, lambda: tp.PowerSGDState(None, **kw))
+    out["log_ddpx"] = records("ddpx.hooks.powerSGD_hook", lambda: P(None, **kw))
     return out

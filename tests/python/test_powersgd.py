@@ -650,3 +650,11 @@ def test_checkpoint_for_other_shapes_is_rejected_unless_lenient():
 def test_clear_memories_zeroes_the_residuals_and_training_goes_on():
     res = errors()
     assert res["cleared_error_max"] == 0.0 and res["after_clear"] is None
+
+
+def test_log_records_and_unpickled_group_like_torch():
+    res = errors()
+    torch_records, torch_default_group = res["log_torch"]
+    ddpx_records, ddpx_default_group = res["log_ddpx"]
+    assert ddpx_records == torch_records
+    assert ddpx_default_group and torch_default_group

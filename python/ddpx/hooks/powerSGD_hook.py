@@ -15,6 +15,10 @@ from ._native import (NativeState, check_int, check_number, make_hook, native_pr
 
 logger = logging.getLogger(__name__)
 
+
+def _silent(line: str) -> None:
+    """A logger for the native state while the Python side emits torch's records itself."""
+
 _WHO = "PowerSGDState"
 _check_int = functools.partial(check_int, _WHO)
 _check_number = functools.partial(check_number, _WHO)
@@ -84,7 +88,18 @@ class PowerSGDState(NativeState):
         opts.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         opts.validate()
         self._process_group = process_group
-        self._cpp = _C.PowerSGDState(resolve_group(process_group, _WHO), opts, logger.info)
+        # Built silent: torch's log records are emitted here, from the values as given (torch
+        # logs them with %s: 2 and 2.0 read differently), then the state logs to our logger.
+        self._cpp = _C.PowerSGDState(resolve_group(process_group, _WHO), opts, _silent)
+        logger.info(
+            "PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "
+            "min_compression_rate = %s; orthogonalization_epsilon = %s; use_error_feedback = %s; "
+            "warm_start = %s; random_seed = %s; compression_stats_logging_frequency = %s; "
+            "batch_tensors_with_same_shape = %s",
+            matrix_approximation_rank, start_powerSGD_iter, min_compression_rate,
+            orthogonalization_epsilon, use_error_feedback, warm_start, random_seed,
+            compression_stats_logging_frequency, batch_tensors_with_same_shape)
+        self._cpp.set_logger(logger.info)
 
     # -- torch's attributes (the hyperparameters are set up below the class) -------------------
     process_group = process_group_property(_WHO)
@@ -126,17 +141,22 @@ class PowerSGDState(NativeState):
         self._cpp.load_state_dict(state_dict, strict=bool(strict))
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        # torch's record, character for character (its source continues the string with a
+        # backslash, so 16 spaces of indentation are part of the message).
         logger.warning(
-            "NOTE: Process group will be set to a default group (i.e. the world size). If a "
-            "different group is desired, please set `self.process_group` after PowerSGD state "
-            "is loaded."
+            "NOTE: Process group will be set to a default group (i.e. the world size)."
+            "                If a different group is desired, please set `self.process_group` "
+            "after PowerSGD state is loaded."
         )
         opts = _C.PowerSGDOptions()
         for name in _OPTION_NAMES:
             setattr(opts, name, state[name])
-        self._process_group = None
-        self._cpp = _C.PowerSGDState(resolve_group(None, _WHO), opts, logger.info)
+        # As torch: the default group itself (not None), and no second "PowerSGD config" record
+        # (torch logs it in __init__ only).
+        self._process_group = dist.group.WORLD
+        self._cpp = _C.PowerSGDState(resolve_group(None, _WHO), opts, _silent)
         self._cpp.load_state_dict(state)
+        self._cpp.set_logger(logger.info)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)!r}" for n in _OPTION_NAMES)
