@@ -185,6 +185,8 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
     at::Tensor view = L->q_factors.narrow(0, c.q_offset, c.cols * c.rank);
     all_q = claim_memory(keys[c.index], view, mem.q, mem.restored_q) && all_q;
     mem.q[keys[c.index]] = view;
+    mem.p[keys[c.index]] =
+        L->round_one.narrow(0, L->uncompressed_numel + c.p_offset, c.rows * c.rank);
   }
   L->q_valid = all_q;
   return L;

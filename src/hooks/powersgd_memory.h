@@ -89,6 +89,10 @@ class PowerSGDMemory {
   // Per-parameter memories: views into the current bucket layouts.
   Memories<int64_t> error;
   Memories<int64_t> q;
+  // The P factor (rows x rank) of each compressed parameter after its last step: a view into
+  // its bucket's round-one buffer (torch's p_memory_dict, keyed per parameter; not checkpointed:
+  // P is recomputed from the gradient and Q every step).
+  Memories<int64_t> p;
   // Memories loaded from a checkpoint and not yet claimed by a bucket layout.
   Memories<int64_t> restored_error;
   Memories<int64_t> restored_q;
@@ -128,6 +132,7 @@ class PowerSGDMemory {
   void reset_live() {
     error.clear();
     q.clear();
+    p.clear();
     batched_q.clear();
     batched_error_pad.clear();
     layouts.clear();

@@ -210,6 +210,10 @@ std::map<int64_t, at::Tensor> PowerSGDState::error_memories() const {
   return merged(memory_->error, memory_->restored_error);
 }
 
+std::map<int64_t, at::Tensor> PowerSGDState::p_memories() const {
+  return std::map<int64_t, at::Tensor>(memory_->p.begin(), memory_->p.end());
+}
+
 std::map<int64_t, at::Tensor> PowerSGDState::q_memories() const {
   return merged(memory_->q, memory_->restored_q);
 }

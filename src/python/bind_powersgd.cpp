@@ -56,6 +56,8 @@ void bind_powersgd(py::module& m) {
       .def("clear_memories", &PowerSGDState::clear_memories,
            "Zeroes the error-feedback residuals and drops the warm-start Q factors (the way out "
            "after a step with NaN/Inf gradients).")
+      .def("p_memory_dict", &PowerSGDState::p_memories,
+           "Per-parameter P factors of the last step (layer-wise hook), keyed like error_dict().")
       .def("q_memory_dict", &PowerSGDState::q_memories,
            "Per-parameter warm-start Q factors, keyed like error_dict().");
   def_state_dict(state, /*bind_load=*/false);

@@ -1022,6 +1022,8 @@ TEST(PowerSGDOptionsMidRun, ApplyAtTheNextStep) {
     if (!batched) {
       EXPECT_EQ(st->q_memories().at(0).numel(), 30 * 2);
       EXPECT_EQ(st->q_memories().at(2).numel(), 25 * 2);
+      EXPECT_EQ(st->p_memories().at(0).numel(), 40 * 2);
+      EXPECT_EQ(st->p_memories().at(2).numel(), 20 * 2);
       // Nothing worth compressing at rate 100: everything travels as it is.
       o.min_compression_rate = 100;
       st->set_options(o);

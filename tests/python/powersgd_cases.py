@@ -297,6 +297,7 @@ def rank_key_order(rank: int, world_size: int, first_bucket_bytes: int = BUCKET_
         loss_fn(ddp, *make_batch(rank, step)).backward()
     return {"order": order, "sizes": sizes,
             "q_sizes": {k: v.numel() for k, v in state.q_memory_dict.items()},
+            "p_sizes": {k: v.numel() for k, v in state.p_memory_dict.items()},
             "stats": tuple(state.compression_stats())}
 
 

@@ -135,8 +135,9 @@ def test_compression_stats_equal_torch(world_size, opts):
         assert t[0] == t[1] / t[2] and t[0] > 1
 
 
-def expected_q_sizes(opts):
-    """{parameter index: Q numel} for the parameters torch's _should_compress compresses."""
+def expected_q_sizes(opts, factor="q"):
+    """{parameter index: Q (or P) numel} for the parameters torch's _should_compress
+    compresses: Q is cols x rank, P rows x rank."""
     r, rate = opts["matrix_approximation_rank"], opts.get("min_compression_rate", 2)
     out = {}
     for k, (_, shape) in enumerate(pc.param_shapes()):
@@ -144,7 +145,7 @@ def expected_q_sizes(opts):
         m = math.prod(shape) // n
         rank = min(n, m, r)
         if tp._should_compress(n, m, rank, rate)[0]:
-            out[k] = m * rank
+            out[k] = (m if factor == "q" else n) * rank
     return out
 
 
@@ -160,6 +161,9 @@ def test_keys_follow_parameter_order():
             assert res["sizes"][1] == ([2442, 9248, 152] if fb == pc.BUCKET_BYTES else [numel])
             assert res["q_sizes"] == expected_q_sizes(
                 dict(matrix_approximation_rank=1, min_compression_rate=0.5))
+            # torch's p_memory_dict, per parameter (issue 10: torch's state has it).
+            assert res["p_sizes"] == expected_q_sizes(
+                dict(matrix_approximation_rank=1, min_compression_rate=0.5), factor="p")
 
 
 @pytest.mark.parametrize("world_size,opts", DIFFERENTIAL, ids=DIFF_IDS)

@@ -126,6 +126,9 @@ class PowerSGDState {
   // across a step), plus memories restored from a checkpoint and not yet claimed by a bucket.
   std::map<int64_t, at::Tensor> error_memories() const;
   std::map<int64_t, at::Tensor> q_memories() const;
+  // The P factor of each compressed parameter after its last step (layer-wise hook), keyed like
+  // the memories: torch's p_memory_dict, per parameter. Views, like error_memories().
+  std::map<int64_t, at::Tensor> p_memories() const;
   // Whether a bucket's round two waits for the next runHook (true only during backward).
   bool round_two_pending() const;
 

@@ -112,6 +112,11 @@ class PowerSGDState(NativeState):
     error_dict = native_property(
         "error_dict", get=lambda cpp, name: cpp.error_dict(), readonly=True,
         doc="Error-feedback residuals per parameter (views of the live buffers).")
+    p_memory_dict = native_property(
+        "p_memory_dict", get=lambda cpp, name: cpp.p_memory_dict(), readonly=True,
+        doc="P factors of the last step per compressed parameter (layer-wise hook; views of the "
+            "live buffers). torch keys its p_memory_dict by bucket; ddpx per parameter, as "
+            "q_memory_dict.")
     q_memory_dict = native_property(
         "q_memory_dict", get=lambda cpp, name: cpp.q_memory_dict(), readonly=True,
         doc="Warm-start Q factors per compressed parameter (views of the live buffers).")
