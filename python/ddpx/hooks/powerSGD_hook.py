@@ -47,7 +47,8 @@ class PowerSGDState(NativeState):
     * Memories are keyed per parameter (by the order parameters first reach the hook), not per
       bucket index, so :meth:`state_dict` / pickling resume a job bit for bit in a new process
       with a new DDP model, whose first buckets differ from the ones the checkpoint saw.
-      ``error_dict`` and ``q_memory_dict`` are therefore keyed by parameter, not by bucket.
+      ``error_dict``, ``p_memory_dict`` and ``q_memory_dict`` are therefore keyed by parameter,
+      not by bucket.
     * A state serves one DDP model; reusing it for another raises ValueError.
     * ``matrix_approximation_rank < 1``, ``min_compression_rate < 0`` and a negative
       ``orthogonalization_epsilon`` raise ValueError (torch accepts them and fails later).
