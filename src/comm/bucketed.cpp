@@ -427,6 +427,11 @@ at::ScalarType AllreduceMean::wire_dtype(at::ScalarType dtype, const c10::Device
   return backend_sums_natively(pg, dtype, device) ? dtype : at::kFloat;
 }
 
+void AllreduceMean::check(const at::Tensor& tensor, size_t index, const std::string& caller) const {
+  TORCH_CHECK_VALUE(tensor.is_floating_point() || tensor.is_complex(), caller, ": tensor ", index,
+                    " has dtype ", tensor.scalar_type(), "; only floating-point values average");
+}
+
 c10::intrusive_ptr<c10d::Work> AllreduceMean::start(c10d::ProcessGroup& pg,
                                                     const at::Tensor& values) const {
   // torch's order of operations: divide by the group size, then sum.
@@ -461,6 +466,7 @@ BucketStats run_bucketed(const std::vector<at::Tensor>& tensors, const ProcessGr
     TORCH_CHECK_VALUE(tensors[i].defined(), options.caller, ": tensor ", i, " is undefined");
     TORCH_CHECK_VALUE(tensors[i].layout() == at::kStrided, options.caller, ": tensor ", i,
                       " is not a dense tensor (layout ", tensors[i].layout(), ")");
+    collective.check(tensors[i], i, options.caller);
   }
   stats.tensors = static_cast<int64_t>(tensors.size());
   // A group of one: nothing to exchange (an average over one rank is x / 1 = x, bit for bit).

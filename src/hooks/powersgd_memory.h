@@ -110,24 +110,6 @@ class PowerSGDMemory {
   // load_state_dict's `strict`: a restored error memory of the wrong size raises.
   bool strict_restore = true;
 
-  // Zeroes every error-feedback residual and invalidates every warm-start Q factor.
-  void clear_memories() {
-    for (auto* live : {&error, &q}) {
-      for (auto& kv : *live) kv.second.zero_();
-    }
-    for (auto* live : {&batched_q, &batched_error_pad}) {
-      for (auto& kv : *live) kv.second.zero_();
-    }
-    restored_error.clear();
-    restored_q.clear();
-    restored_batched_q.clear();
-    restored_batched_error_pad.clear();
-    for (auto& kv : layouts) {
-      if (kv.second->error.defined()) kv.second->error.zero_();
-      kv.second->q_valid = false;
-    }
-  }
-
   // Forgets everything tied to this process's tensors (a checkpoint is being loaded).
   void reset_live() {
     error.clear();
@@ -137,6 +119,17 @@ class PowerSGDMemory {
     batched_error_pad.clear();
     layouts.clear();
     round_two.clear();
+  }
+
+  // Forgets every memory, live and restored: the next step starts them as the first compressed
+  // step does (zero residuals, fresh Q factors). The layouts go too, so that no bucket can claim
+  // a cleared memory as a valid one when it is rebuilt.
+  void clear_memories() {
+    reset_live();
+    restored_error.clear();
+    restored_q.clear();
+    restored_batched_q.clear();
+    restored_batched_error_pad.clear();
   }
 };
 

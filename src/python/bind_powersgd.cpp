@@ -54,7 +54,7 @@ void bind_powersgd(py::module& m) {
       .def("error_dict", &PowerSGDState::error_memories,
            "Per-parameter error-feedback residuals, keyed by parameter order of first appearance.")
       .def("clear_memories", &PowerSGDState::clear_memories,
-           "Zeroes the error-feedback residuals and drops the warm-start Q factors (the way out "
+           "Forgets the error-feedback residuals and the warm-start Q factors (the way out "
            "after a step with NaN/Inf gradients).")
       .def("p_memory_dict", &PowerSGDState::p_memories,
            "Per-parameter P factors of the last step (layer-wise hook), keyed like error_dict().")

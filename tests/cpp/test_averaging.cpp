@@ -515,7 +515,20 @@ TEST(AverageParameters, NullGroupEmptyListAndBadOptions) {
 
   const auto& pg = ddpx_test::shared_gloo_world(2)[0];
   EXPECT_THAT(value_error([&] { ddpx::average_parameters({t}, pg, {0}); }),
-              HasSubstr("bucket_cap_bytes"));
+              AllOf(HasSubstr("average_parameters"), HasSubstr("bucket_cap_bytes")));
+  // Refused before any collective (so one rank alone may try), naming the tensor.
+  at::Tensor indices = at::zeros({1, 1}, at::kLong);
+  const std::vector<std::pair<at::Tensor, std::string>> bad = {
+      {at::Tensor(), "tensor 1 is undefined"},
+      {at::sparse_coo_tensor(indices, at::ones({1}), {4}), "tensor 1 is not a dense tensor"},
+      {at::ones({4}, at::kInt), "tensor 1 has dtype Int; only floating-point values average"},
+  };
+  for (const auto& b : bad) {
+    EXPECT_THAT(value_error([&] {
+                  ddpx::average_parameters({t, b.first}, pg);
+                }),
+                AllOf(HasSubstr("average_parameters: "), HasSubstr(b.second)));
+  }
   EXPECT_THAT(value_error([&] { ddpx::average_parameters({t}, pg, {-5}); }),
               HasSubstr("bucket_cap_bytes"));
 }

@@ -29,7 +29,7 @@ using AverageStats = BucketStats;
 // once, from its original values (see run_bucketed). A null process_group means "this rank is not a
 // member": nothing happens. Every member rank must pass tensors of the same shapes, dtypes and
 // order; ranks that do not all raise c10::ValueError. Throws c10::ValueError naming the
-// parameter for an undefined, sparse or non-floating tensor. Blocks until done.
+// tensor's index for an undefined, sparse or non-floating tensor. Blocks until done.
 AverageStats average_parameters(const std::vector<at::Tensor>& params,
                                 const ProcessGroupPtr& process_group,
                                 const AverageOptions& options = {});

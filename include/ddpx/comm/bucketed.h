@@ -48,6 +48,9 @@ class BucketCollective {
   // The dtype the values of `dtype` travel in on `device` over `pg`.
   virtual at::ScalarType wire_dtype(at::ScalarType dtype, const c10::Device& device,
                                     const c10d::ProcessGroup& pg) const = 0;
+  // Refuses a tensor this collective cannot exchange (c10::ValueError naming `caller` and the
+  // tensor's index). Called for every tensor before anything is exchanged.
+  virtual void check(const at::Tensor& tensor, size_t index, const std::string& caller) const {}
   // Starts the collective on `values` (1-D, contiguous: a staging bucket, or a tensor's own
   // storage), which it may modify first; the result lands in `values`.
   virtual c10::intrusive_ptr<c10d::Work> start(c10d::ProcessGroup& pg,
@@ -60,6 +63,8 @@ class BucketCollective {
 class AllreduceMean final : public BucketCollective {
  public:
   bool promotes() const override { return true; }
+  // Only floating-point (and complex) values average.
+  void check(const at::Tensor& tensor, size_t index, const std::string& caller) const override;
   at::ScalarType wire_dtype(at::ScalarType dtype, const c10::Device& device,
                             const c10d::ProcessGroup& pg) const override;
   c10::intrusive_ptr<c10d::Work> start(c10d::ProcessGroup& pg,

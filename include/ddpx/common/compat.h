@@ -105,7 +105,7 @@ using Backend = c10d::ProcessGroup;
 
 // The ProcessGroup over one CPU `backend` of `rank` in `size` ranks, as torch builds it for
 // dist.new_group(backend="gloo"): a 2.x ProcessGroup wrapping it as its Gloo backend, or in 1.13
-// the backend itself. `backend_type` is what the 2.x group reports (Gloo by default).
+// the backend itself.
 inline ProcessGroupPtr process_group_of(c10::intrusive_ptr<Backend> backend,
                                         const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                         int size) {

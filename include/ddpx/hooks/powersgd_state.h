@@ -132,10 +132,11 @@ class PowerSGDState {
   // Whether a bucket's round two waits for the next runHook (true only during backward).
   bool round_two_pending() const;
 
-  // Forgets the error-feedback residuals (zeroed) and the warm-start Q factors (the next step
-  // draws fresh ones), live and restored. The way out after a step with NaN/Inf gradients: like
-  // torch's hook, PowerSGD keeps a non-finite value in its memories, so every later step would
-  // carry it; call this (between steps, not during backward) to start them afresh.
+  // Forgets the error-feedback residuals and the warm-start Q factors, live and restored: the
+  // next step starts them as the first compressed step does (zero residuals, fresh Qs). The way out
+  // after a step with NaN/Inf gradients: like torch's hook, PowerSGD keeps a non-finite value in
+  // its memories, so every later step would carry it; call this (between steps, not during
+  // backward) to start them afresh.
   void clear_memories();
 
   // --- used by the hooks ---

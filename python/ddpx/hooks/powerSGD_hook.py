@@ -123,8 +123,8 @@ class PowerSGDState(NativeState):
         doc="Warm-start Q factors per compressed parameter (views of the live buffers).")
 
     def clear_memories(self) -> None:
-        """Zeroes the error-feedback residuals and drops the warm-start Q factors (the next
-        compressed step draws fresh ones). ddpx only: after a step whose gradients held NaN or
+        """Forgets the error-feedback residuals and the warm-start Q factors: the next
+        compressed step starts them afresh (zero residuals, fresh Qs), as the first one does. ddpx only: after a step whose gradients held NaN or
         Inf, PowerSGD's memories hold them too (torch's as well), and every later step would
         carry them; call this between steps to start the memories afresh."""
         self._cpp.clear_memories()
