@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "RankTimeout", "catch", "free_port", "run_ranks", "start_method"]
+__all__ = ["RankError", "RankTimeout", "catch", "exit_rank", "free_port", "run_ranks",
+           "start_method"]
 
 # Seconds a collective may wait inside a rank before Gloo gives up (a desynchronised rank then
 # fails instead of hanging until the parent's timeout).
@@ -66,6 +67,23 @@ def catch(fn: Callable[[], object]) -> Optional[Tuple[str, str]]:
     return None
 
 
+# Where this rank's result goes (set in each rank process by _rank_main).
+_result_path: Optional[str] = None
+
+
+def exit_rank(result: Any = None) -> None:
+    """Ends this rank at once, as if ``fn`` had returned ``result``, skipping the teardown (the
+    barrier and destroy_process_group, which need every peer alive): for fault tests, where a
+    rank dies on purpose or survives a dead peer. Never returns."""
+    assert _result_path is not None, "exit_rank() is for rank processes started by run_ranks"
+    tmp = _result_path + ".tmp"
+    torch.save(result, tmp)
+    os.replace(tmp, _result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def start_method() -> str:
     return os.environ.get("DDPX_TEST_START_METHOD", "forkserver")
 
@@ -88,7 +106,8 @@ def _context():
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str, outdir: str,
                args: Sequence[Any], kwargs: Dict[str, Any], collective_timeout_s: float,
                threads: int) -> None:
-    result_path = os.path.join(outdir, f"rank{rank}.pt")
+    global _result_path
+    result_path = _result_path = os.path.join(outdir, f"rank{rank}.pt")
     error_path = os.path.join(outdir, f"rank{rank}.err")
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
