@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["RankError", "RankTimeout", "catch", "exit_rank", "free_port", "run_ranks",
-           "start_method"]
+           "start_method", "wait_for_result_of"]
 
 # Seconds a collective may wait inside a rank before Gloo gives up (a desynchronised rank then
 # fails instead of hanging until the parent's timeout).
@@ -82,6 +82,20 @@ def exit_rank(result: Any = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def wait_for_result_of(rank: int, max_s: float) -> bool:
+    """Waits until `rank` has left a result (returned, or called exit_rank), at most `max_s`
+    seconds; True if it did. A stalled rank in a fault test sleeps with this, so that it stalls
+    exactly as long as its peers need to notice, not a fixed worst case."""
+    assert _result_path is not None, "wait_for_result_of() is for rank processes of run_ranks"
+    path = os.path.join(os.path.dirname(_result_path), f"rank{rank}.pt")
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def start_method() -> str:

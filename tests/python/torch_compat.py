@@ -78,3 +78,16 @@ def _new_subgroups_without_cuda() -> bool:
 
 
 NEW_SUBGROUPS_WITHOUT_CUDA = _new_subgroups_without_cuda()
+
+
+def _cpu_half_bmm() -> bool:
+    """torch 1.13 has no CPU kernel for bmm in float16 ("bmm" not implemented for 'Half'), so
+    torch's PowerSGD under fp16_compress_wrapper fails on CPU there; torch 2.x has one."""
+    try:
+        torch.bmm(torch.ones(1, 2, 2, dtype=torch.float16), torch.ones(1, 2, 2, dtype=torch.float16))
+    except RuntimeError:
+        return False
+    return True
+
+
+TORCH_CPU_HALF_BMM = _cpu_half_bmm()
