@@ -380,3 +380,363 @@ def rank_overflow(rank: int, world_size: int, hook: str,
                 dc.loss_fn(ddp, *dc.make_batch(rank, step)).backward()
             out[f"{impl}/{pair}"] = layer.weight.grad.detach().clone()
     return out
+
+
+# =================================================================================================
+# ---- every DDP option with every hook (test_adversarial_ddp.py) ---------------------------------
+# =================================================================================================
+#
+# `rank_options` trains, per DDP option and per hook, torch's hook (the reference) and ddpx's
+# (drop-in and native), each from a fresh model, for OPT_STEPS SGD steps, and returns what the
+# tests compare. torch's PowerSGD hooks run through powersgd_cases.torch_synchronized (each bucket
+# waited for): unsynchronised, they issue Gloo collectives from future callbacks and the ranks'
+# orders differ with several buckets (gloo aborts, "op.preamble.length <= op.nbytes", or hangs).
+# Where torch's batched hook cannot run (1.13), the reference is powersgd_cases'
+# torch_batched_fixed_hook (torch's algorithm with its one crashing call fixed).
+
+OPT_STEPS = 5
+# The extra "implementation" that measures the gradients every hook sees (torch's allreduce_hook
+# behind a probe): per step, the largest |local gradient| over the buckets, for the error bounds.
+PROBE = "probe"
+
+# An option: DDP keyword arguments and the training-loop variant.
+#   model: "mlp" (ddp_cases' model), "branchy" (two extra heads, unused in some steps), "bn"
+#          (with a BatchNorm1d), "frozen" (first layer requires_grad=False), "noncontig"
+#          (weights that are non-contiguous views: a transposed one and a narrow one)
+#   dtype: the whole model's dtype; loop: "plain" | "no_sync" | "join" | "two_models"
+#   group: None (default group) | "copy" (dist.new_group of all ranks) | "pair" (ranks 0 and 1)
+OPTIONS: Dict[str, Dict[str, Any]] = {
+    "find_unused": dict(model="branchy", ddp=dict(find_unused_parameters=True)),
+    "static_graph": dict(ddp=dict(static_graph=True)),
+    "static_graph_unused": dict(model="branchy_static", ddp=dict(static_graph=True)),
+    "bucket_view": dict(ddp=dict(gradient_as_bucket_view=True)),
+    "bucket_view_set_to_none": dict(ddp=dict(gradient_as_bucket_view=True), set_to_none=True),
+    "no_sync": dict(loop="no_sync"),
+    "big_bucket": dict(big_bucket=True),
+    "fp64": dict(dtype=torch.float64),
+    "fp16_model": dict(dtype=torch.float16),
+    "bf16_model": dict(dtype=torch.bfloat16),
+    "join": dict(loop="join"),
+    "new_group": dict(group="copy"),
+    "two_models": dict(loop="two_models"),
+    "broadcast_buffers_bn": dict(model="bn", ddp=dict(broadcast_buffers=True)),
+    "frozen_param": dict(model="frozen"),
+    "noncontig_params": dict(model="noncontig"),
+    "subgroup_of_2_of_3": dict(group="pair"),
+}
+
+
+class _Linear16(nn.Linear):
+    """nn.Linear whose forward runs in fp32 for 16-bit weights (CPU torch 1.13 has no Half
+    addmm/tanh): parameters, gradients and buckets stay in the model's dtype."""
+
+    def forward(self, x):
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            return nn.functional.linear(x.float(), self.weight.float(), self.bias.float())
+        return super().forward(x)
+
+
+def _mlp(dtype: torch.dtype) -> nn.Sequential:
+    base = dc.make_model(torch.float32)  # seed 0
+    layers = []
+    for m in base:
+        if isinstance(m, nn.Linear):
+            lin = _Linear16(m.in_features, m.out_features)
+            lin.load_state_dict(m.state_dict())
+            m = lin
+        layers.append(m)
+    return nn.Sequential(*layers).to(dtype)
+
+
+class _Branchy(nn.Module):
+    """ddp_cases' model plus two heads: `extra` is used by every rank or by none (unused on
+    every rank in steps 1 and 4), `solo` by one rank per step (rank r at steps s with
+    (s + r) even): a parameter locally unused and one globally unused."""
+
+    def __init__(self, static: bool = False):
+        super().__init__()
+        self.base = _mlp(torch.float32)
+        torch.manual_seed(1)
+        self.extra = nn.Linear(32, 10)
+        self.solo = nn.Linear(32, 10)
+        self.static = static
+
+    def forward(self, x, step: int, rank: int):
+        y = self.base(x)
+        if self.static:  # static_graph: the same parameters unused in every step
+            return y + self.extra(x)
+        if step % 3 != 1:
+            y = y + self.extra(x)
+        if (step + rank) % 2 == 0:
+            y = y + self.solo(x)
+        return y
+
+
+def option_model(kind: str, dtype: torch.dtype) -> nn.Module:
+    if kind == "mlp":
+        return _mlp(dtype)
+    if kind in ("branchy", "branchy_static"):
+        return _Branchy(static=kind == "branchy_static")
+    if kind == "bn":
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 10))
+    if kind == "frozen":
+        model = _mlp(dtype)
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        return model
+    if kind == "noncontig":
+        model = _mlp(dtype)
+        with torch.no_grad():
+            w = model[2].weight  # 48 x 64: stored transposed
+            model[2].weight = nn.Parameter(w.detach().t().contiguous().t())
+            w = model[4].weight  # 32 x 48: a narrow view of a wider storage
+            wide = torch.cat([w.detach(), torch.zeros(32, 16, dtype=w.dtype)], dim=1)
+            model[4].weight = nn.Parameter(wide[:, :48])
+        assert not model[2].weight.is_contiguous() and not model[4].weight.is_contiguous()
+        return model
+    raise ValueError(kind)
+
+
+class OptionGroups:
+    """The process groups of the options, created together with the default group, in the same
+    order on every rank (dist.new_group is collective over the default group): `copy` (all ranks),
+    `pair` (ranks 0 and 1, 3 ranks or more), `one` (this rank alone: post-local SGD's subgroup),
+    and `control`, the group the ranks agree on a configuration's failure through."""
+
+    def __init__(self):
+        w = dist.get_world_size()
+        self.copy = dist.new_group(ranks=list(range(w)))
+        self.pair = dist.new_group(ranks=[0, 1]) if w >= 3 else None
+        self.one = _subgroup_of_one()
+        self.control = dist.new_group(ranks=list(range(w)))
+
+    def group(self, name: Optional[str]):
+        return {None: None, "copy": self.copy, "pair": self.pair}[name]
+
+
+# A configuration that fails on one rank only (torch's compress wrappers with
+# find_unused_parameters, say) leaves the other ranks in a collective: they give up after
+# CONFIG_TIMEOUT_S, the ranks agree through the control group that the configuration failed, and
+# every group is built afresh (a new default group on the launch's store, under a new prefix), so
+# that the configurations after it run on healthy groups.
+CONFIG_TIMEOUT_S = 4.0
+_base_store: List[Any] = []
+_world_count = [0]
+
+
+def fresh_world(rank: int, world_size: int) -> OptionGroups:
+    import datetime
+    import gc
+    if not _base_store:
+        _base_store.append(dist.distributed_c10d._get_default_store())
+    # The failed configuration's models and states die here, on this thread: left to the cyclic
+    # collector, a process group could die on one of its own Gloo threads (its destructor then
+    # joins that very thread: "Resource deadlock avoided", abort).
+    gc.collect()
+    _world_count[0] += 1
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"ddpx_world{_world_count[0]}/",
+                                                            _base_store[0]),
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=CONFIG_TIMEOUT_S))
+    return OptionGroups()
+
+
+def any_failed(groups: OptionGroups, failed: bool) -> bool:
+    flag = torch.tensor([1.0 if failed else 0.0])
+    dist.all_reduce(flag, group=groups.control)
+    return flag.item() > 0
+
+
+def _ref_hook(hook: str) -> Callable:
+    """torch's hook as the reference (PowerSGD hooks waited for, see above)."""
+    import powersgd_cases as pc
+    spec = HOOKS[hook]
+    if hook == "batched_powerSGD" and not spec.torch_available:
+        return pc.torch_batched_fixed_hook
+    if hook in ("powerSGD", "batched_powerSGD"):
+        return pc.torch_synchronized(spec._torch_hook())
+    if hook == "fp16_powerSGD":
+        return tdh.fp16_compress_wrapper(pc.torch_synchronized(tps.powerSGD_hook))
+    return spec._torch_hook()
+
+
+def ref_available(hook: str) -> bool:
+    return HOOKS[hook].torch_available or hook == "batched_powerSGD"
+
+
+def _option_state(hook: str, impl: str, group, groups: OptionGroups):
+    spec = HOOKS[hook]
+    ddpx_impl = impl.startswith("ddpx")
+    if spec._state is None:
+        return group
+    if spec.local_sgd:
+        cls = ddpx.hooks.PostLocalSGDState if ddpx_impl else tpl.PostLocalSGDState
+        return cls(process_group=group, subgroup=groups.one, start_localSGD_iter=START)
+    cls = ddpx.hooks.PowerSGDState if ddpx_impl else tps.PowerSGDState
+    return cls(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=START,
+               min_compression_rate=1.5)
+
+
+def _register_option(ddp: DDP, hook: str, impl: str, group, groups: OptionGroups,
+                     seen: List[float]):
+    """Registers `hook` as `impl` ("torch", "ddpx_dropin", "ddpx_native" or PROBE) with a state
+    on `group`; returns the state."""
+    if impl == PROBE:
+        def probe(state, bucket):
+            seen.append(bucket.buffer().detach().abs().max().double().item())
+            return tdh.allreduce_hook(state, bucket)
+        ddp.register_comm_hook(group, probe)
+        return group
+    state = _option_state(hook, impl, group, groups)
+    if impl == "torch":
+        ddp.register_comm_hook(state, _ref_hook(hook))
+    elif impl == "ddpx_dropin":
+        ddp.register_comm_hook(state, HOOKS[hook]._ddpx_hook())
+    else:
+        ddpx.register_comm_hook(ddp, state, HOOKS[hook]._ddpx_hook())
+    return state
+
+
+def _option_averager(hook: str, impl: str, group):
+    if not HOOKS[hook].local_sgd or impl == PROBE:
+        return None
+    if impl == "torch":
+        from torch.distributed.algorithms.model_averaging import averagers
+        cls = averagers.PeriodicModelAverager
+    else:
+        cls = ddpx.model_averaging.PeriodicModelAverager
+    with warnings.catch_warnings():  # "When period is 1, no need to use model averaging ..."
+        warnings.simplefilter("ignore", UserWarning)
+        return cls(period=1, warmup_steps=START, process_group=group)
+
+
+def _wrap_option(model: nn.Module, opt: Dict[str, Any], group) -> DDP:
+    if opt.get("big_bucket"):
+        kwargs = tc.ddp_bucket_kwargs(25 * 2 ** 20, 25 * 2 ** 20)  # one bucket on both torches
+    else:
+        kwargs = tc.ddp_bucket_kwargs(dc.BUCKET_BYTES, dc.BUCKET_BYTES)
+    kwargs.update(opt.get("ddp", {}))
+    return DDP(model, process_group=group, **kwargs)
+
+
+def _forward_loss(ddp: DDP, kind: str, rank: int, step: int, micro: int, dtype: torch.dtype):
+    x, y = dc.make_batch(rank, 10 * step + micro)
+    if dtype == torch.float64:
+        x, y = x.double(), y.double()
+    if kind.startswith("branchy"):
+        out = ddp(x, step, rank)
+    else:
+        out = ddp(x)
+    return nn.functional.mse_loss(out.float() if dtype != torch.float64 else out, y)
+
+
+def _flat_buffers(model: nn.Module) -> torch.Tensor:
+    bufs = [b.detach().reshape(-1).double() for b in model.buffers() if b.is_floating_point()]
+    return torch.cat(bufs).clone() if bufs else torch.zeros(0)
+
+
+def _train_option(rank: int, world_size: int, option: str, hook: str, impl: str,
+                  groups: OptionGroups, steps: int) -> Dict[str, Any]:
+    if os.environ.get("DDPX_ADV_TRACE"):  # progress on stderr, to find a hang's configuration
+        import sys
+        print(f"[rank {rank}] {option} {hook} {impl}", file=sys.stderr, flush=True)
+    opt = OPTIONS[option]
+    if opt.get("group") == "pair" and rank >= 2:
+        return {}  # not in the group: trains nothing
+    kind, dtype = opt.get("model", "mlp"), opt.get("dtype", torch.float32)
+    loop, group = opt.get("loop", "plain"), groups.group(opt.get("group"))
+    seen: List[float] = []
+    n_models = 2 if loop == "two_models" else 1
+    ddps, optims, averagers = [], [], []
+    for i in range(n_models):
+        model = option_model(kind, dtype)
+        if i == 1:  # the second model: other weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        ddp = _wrap_option(model, opt, group)
+        _register_option(ddp, hook, impl, group, groups, seen)
+        ddps.append(ddp)
+        optims.append(torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=LR))
+        averagers.append(None if loop == "join" else _option_averager(hook, impl, group))
+    # join: the last rank has 2 batches fewer.
+    my_steps = steps - 2 if loop == "join" and rank == world_size - 1 else steps
+    params, buffers, scale = [], [], []
+
+    def one_step(step: int) -> None:
+        for i, (ddp, optim, averager) in enumerate(zip(ddps, optims, averagers)):
+            optim.zero_grad(set_to_none=opt.get("set_to_none", False))
+            if loop == "no_sync":
+                with ddp.no_sync():
+                    for micro in (1, 2):
+                        _forward_loss(ddp, kind, rank, step, micro, dtype).backward()
+            _forward_loss(ddp, kind, rank, step, 3 * i, dtype).backward()
+            optim.step()
+            if averager is not None:
+                averager.average_parameters(ddp.parameters())
+        params.append(torch.cat([dc.flat_params(d) for d in ddps]))
+        buffers.append(torch.cat([_flat_buffers(d) for d in ddps]))
+        scale.append(max(seen) if seen else 0.0)
+        seen.clear()
+
+    if loop == "join":
+        from torch.distributed.algorithms.join import Join
+        with Join(ddps):
+            for step in range(my_steps):
+                one_step(step)
+    else:
+        for step in range(my_steps):
+            one_step(step)
+    return {"params": torch.stack(params), "buffers": torch.stack(buffers),
+            "final": torch.cat([dc.flat_params(d) for d in ddps]),
+            "max_local_grad": torch.tensor(scale, dtype=torch.float64)}
+
+
+def option_impls(hook: str) -> List[str]:
+    return [i for i in IMPLS if i != "torch" or ref_available(hook)]
+
+
+def rank_options(rank: int, world_size: int, options: Sequence[str],
+                 hooks: Sequence[str] = tuple(HOOKS), steps: int = OPT_STEPS,
+                 reregister: bool = False) -> Dict[Any, Any]:
+    """results[(option, hook, impl)] = _train_option's record, or {"error": (type, message)};
+    results[(option, PROBE)] = the probe's record. A rank outside an option's group ("pair" on
+    rank 2) records {}. With `reregister`, also results[("reregister", hook, first, second)]:
+    what registering a second hook raised."""
+    groups = fresh_world(rank, world_size)
+    out: Dict[Any, Any] = {}
+
+    def run(key, hook, impl, option):
+        nonlocal groups
+        try:
+            out[key] = _train_option(rank, world_size, option, hook, impl, groups, steps)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[key] = {"error": outcome_of(exc)}
+        if any_failed(groups, "error" in out[key]):
+            groups = fresh_world(rank, world_size)
+
+    for option in options:
+        run((option, PROBE), "allreduce", PROBE, option)
+        for hook in hooks:
+            for impl in option_impls(hook):
+                run((option, hook, impl), hook, impl, option)
+    if reregister:
+        for hook in hooks:
+            impls = option_impls(hook)
+            for first in impls:
+                for second in impls:
+                    ddp = _wrap_option(_mlp(torch.float32), {}, None)
+                    _register_option(ddp, hook, first, None, groups, [])
+                    out[("reregister", hook, first, second)] = outcome_of(_catch_exc(
+                        lambda: _register_option(ddp, hook, second, None, groups, [])))
+    return out
+
+
+def _catch_exc(fn: Callable[[], Any]) -> Optional[BaseException]:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
