@@ -12,6 +12,9 @@ Same arguments, defaults, errors and warnings as torch's, and two differences, b
   ``post_localSGD_hook`` registered on the same parameters raises ValueError on its first
   ``average_parameters`` call (torch's documentation requires them to be equal).
 """
+import logging
+import warnings
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -31,6 +34,26 @@ __all__ = [
     "get_params_to_average",
     "average_parameters_or_parameter_groups",
 ]
+
+logger = logging.getLogger(__name__)
+
+# torch's warnings, word for word. The C++ averagers warn too (for C++ programs); from Python the
+# warning is torch's, raised here with torch's stacklevel, and the C++ one (which carries a
+# "Triggered internally at" suffix) is dropped.
+_PERIOD_ONE_ADVICE = (
+    "no need to use model averaging because the communication cost "
+    "of all-reducing parameters will be no less than the cost of all-reducing gradients "
+    "by DistributedDataParallel in the backward pass. Therefore, only "
+    "DistributedDataParallel should be used for this case.")
+
+
+def _build_quietly(make):
+    """Builds a C++ averager without its own period-one warning (see _PERIOD_ONE_ADVICE)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"When (period|the maximum period)",
+                                category=UserWarning)
+        return make()
+
 
 Params = Union[Iterable[torch.nn.Parameter], Iterable[Dict[str, Any]]]
 
@@ -82,26 +105,59 @@ def average_parameters_or_parameter_groups(params: Params, process_group: Any,
     return average_parameters(get_params_to_average(params), process_group, bucket_cap_mb)
 
 
-class ModelAverager:
-    r"""Base class of the ddpx model averagers: a step counter, the process group, and the
-    warm-up check against a ddpx ``post_localSGD_hook``. Subclasses set ``self._cpp``."""
+def _native_or_own(name: str, doc: str, check=None) -> property:
+    """An averager attribute read from the native averager (``self._cpp``), or, in a subclass
+    without one (a custom averager written against torch's ``ModelAverager``), kept in the
+    instance as a plain attribute, as torch's."""
+    own = "_own_" + name
 
-    _cpp: Any
+    def getter(self):
+        if self._cpp is None:
+            try:
+                return self.__dict__[own]
+            except KeyError:
+                raise AttributeError(
+                    f"{type(self).__name__!r} object has no attribute {name!r}") from None
+        return getattr(self._cpp, name)
+
+    def setter(self, value):
+        if self._cpp is None:
+            self.__dict__[own] = value
+        else:
+            setattr(self._cpp, name, value if check is None else check(name, value))
+
+    return property(getter, setter, doc=doc)
+
+
+class ModelAverager(ABC):
+    r"""Base class of the model averagers, as torch's (abstract: subclasses define
+    :meth:`average_parameters`): ``process_group`` (the default group for None) and ``step``.
+    The ddpx averagers keep their counters in their native averager (``self._cpp``); a custom
+    subclass without one keeps them as plain attributes, as with torch's base."""
+
+    _cpp: Any = None
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._warmup_checked = False
+        if self._cpp is None:
+            self.step = 0
 
-    step = native_property(
+    step = _native_or_own(
         "step", doc="Steps counted so far (one per :meth:`average_parameters` call).")
     last_stats = native_property(
         "last_stats", readonly=True,
         doc="What the last :meth:`average_parameters` call did (all zeros if it did not average).")
-    warmup_steps = native_property(
+    warmup_steps = _native_or_own(
         "warmup_steps", check=lambda name, value: check_int("ModelAverager", name, value),
         doc="Steps without averaging before the first one (settable mid-run, as torch's).")
 
+    @abstractmethod
     def average_parameters(self, params: Params) -> None:
+        """Averages the parameters of a model, or of optimizer parameter groups."""
+        raise NotImplementedError
+
+    def _average_natively(self, params: Params) -> None:
         """Averages the parameters of a model, or of optimizer parameter groups, that have a
         gradient, if this step calls for it; then counts the step."""
         flat = _flatten(params)
@@ -146,10 +202,17 @@ class PeriodicModelAverager(ModelAverager):
             raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
         if period < 1:
             raise ValueError("Arg ``period`` must be a positive value.")
-        # period == 1: the C++ constructor warns (as a Python UserWarning), with torch's text.
-        self._cpp = _C.PeriodicModelAverager(int(period), int(warmup_steps),
-                                             _native_group(self.process_group),
-                                             _bucket_bytes(bucket_cap_mb))
+        if period == 1:
+            warnings.warn("When period is 1, " + _PERIOD_ONE_ADVICE, stacklevel=2)
+        self._cpp = _build_quietly(lambda: _C.PeriodicModelAverager(
+            int(period), int(warmup_steps), _native_group(self.process_group),
+            _bucket_bytes(bucket_cap_mb)))
+
+    def average_parameters(self, params: Params) -> None:
+        """Averages the parameters of a model, or of optimizer parameter groups, that have a
+        gradient if ``step`` is at least ``warmup_steps`` and ``step - warmup_steps`` is a
+        multiple of ``period``; then counts the step."""
+        self._average_natively(params)
 
     period = native_property(
         "period", check=lambda name, value: check_int("PeriodicModelAverager", name, value),
@@ -181,7 +244,9 @@ class HierarchicalModelAverager(ModelAverager):
         if any(p <= 0 for p in periods):
             raise ValueError(
                 "The minimum period in arg ``period_group_size_dict`` must be a positive value.")
-        # A maximum period of 1: the C++ constructor warns, with torch's text.
+        if periods[-1] == 1:
+            warnings.warn("When the maximum period in arg ``period_group_size_dict`` is 1, "
+                          + _PERIOD_ONE_ADVICE, stacklevel=2)
         overall = dist.get_world_size(group=self.process_group)
         sizes = list(period_group_size_dict.values())
         if sizes[-1] != overall:
@@ -194,7 +259,11 @@ class HierarchicalModelAverager(ModelAverager):
         self._periods = periods
         self.period_process_group_dict: "OrderedDict[int, Any]" = OrderedDict()
         ranks = group_ranks(self.process_group)
+        logger.info("Model averaging hierarchy:")
         for period, size in period_group_size_dict.items():
+            logger.info(
+                "\tEach group that has %s processes average parameters every %s iterations, "
+                "if no higher-level averaging.", size, period)
             if size == overall:
                 self.period_process_group_dict[period] = self.process_group
                 continue
@@ -206,9 +275,15 @@ class HierarchicalModelAverager(ModelAverager):
             self.period_process_group_dict[period] = new_subgroups_by_ranks(
                 [ranks[i:i + size] for i in range(0, overall, size)])
         levels = [(p, _native_group(g)) for p, g in self.period_process_group_dict.items()]
-        self._cpp = _C.HierarchicalModelAverager(levels, int(warmup_steps),
-                                                 _native_group(self.process_group),
-                                                 _bucket_bytes(bucket_cap_mb))
+        self._cpp = _build_quietly(lambda: _C.HierarchicalModelAverager(
+            levels, int(warmup_steps), _native_group(self.process_group),
+            _bucket_bytes(bucket_cap_mb)))
+
+    def average_parameters(self, params: Params) -> None:
+        """Averages the parameters of a model, or of optimizer parameter groups, that have a
+        gradient, within the group of the largest period dividing ``step`` (none before
+        ``warmup_steps``); then counts the step."""
+        self._average_natively(params)
 
     def _find_process_group(self) -> Optional[Any]:
         """The group that averages at the current step (None if none does)."""

@@ -1,11 +1,27 @@
 """Distributed optimizers: torch's ``torch.distributed.optim.PostLocalSGDOptimizer``, over ddpx's
 native model averagers."""
+import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
 __all__ = ["PostLocalSGDOptimizer"]
+
+
+def _torch_zero_grad_default() -> bool:
+    """The default of torch's ``PostLocalSGDOptimizer.zero_grad(set_to_none=...)`` (False in torch
+    1.13, True in 2.x), which it passes to the wrapped optimizer whatever that one's default."""
+    try:
+        from torch.distributed.optim import PostLocalSGDOptimizer as TorchWrapper
+        fn = TorchWrapper.zero_grad
+    except ImportError:  # pragma: no cover - torch without distributed
+        fn = torch.optim.Optimizer.zero_grad
+    default = inspect.signature(fn).parameters["set_to_none"].default
+    return bool(default) if isinstance(default, bool) else True
+
+
+_ZERO_GRAD_DEFAULT = _torch_zero_grad_default()
 
 
 class PostLocalSGDOptimizer(torch.optim.Optimizer):
@@ -92,13 +108,10 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.averager.average_parameters(params=self.param_groups)
         return loss
 
-    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:  # type: ignore[override]
-        """The wrapped optimizer's ``zero_grad`` (its own default when ``set_to_none`` is
-        None)."""
-        if set_to_none is None:
-            self.optim.zero_grad()
-        else:
-            self.optim.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool = _ZERO_GRAD_DEFAULT) -> None:  # type: ignore[override]
+        """The wrapped optimizer's ``zero_grad(set_to_none=set_to_none)``; the default is torch's
+        wrapper's (read from the installed torch: True in 2.x, False in 1.13)."""
+        self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         self.optim.add_param_group(param_group)

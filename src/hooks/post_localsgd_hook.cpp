@@ -53,9 +53,11 @@ void PostLocalSGDState::maybe_increase_iter(bool bucket_is_last) {
   // Bucket 0 is the last bucket of an iteration: count the iteration there.
   if (bucket_is_last) {
     ++iter_;
-    if (iter_ == start_localSGD_iter_) {
-      log("Start to apply local SGD after " + std::to_string(iter_) + " iterations.");
-    }
+  }
+  // As torch: logged on every call that leaves iter at start_localSGD_iter (the hook stops
+  // calling once iter reaches it, so it logs once there).
+  if (iter_ == start_localSGD_iter_) {
+    log("Start to apply local SGD after " + std::to_string(iter_) + " iterations.");
   }
 }
 

@@ -249,14 +249,14 @@ std::shared_ptr<BucketLayout> layout_for(PowerSGDState& st, const c10d::GradBuck
   return slot;
 }
 
-// Fresh Q factors: one seed from the numpy-compatible generator, then standard normals drawn on
+// Fresh Q factors: one seed from the state's generator (draw_seed), then standard normals drawn on
 // the CPU in torch's order and granularity (one draw per same-shape group when batching, else one
 // per matrix), so the factors equal those of torch's hook.
 // The draws land in one host buffer (pinned when Q lives on a GPU) that reaches Q in one copy,
 // non-blocking on CUDA: one transfer per bucket instead of one synchronous pageable copy per
 // matrix (review H2). The values are the same as drawing into each slice directly.
 void randomize_q(PowerSGDState& st, BucketLayout& L, bool batch_same_shape) {
-  const int64_t seed = st.rng().randint_1e9();
+  const int64_t seed = st.draw_seed();
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
   const auto cpu = at::TensorOptions().dtype(L.wire_dtype).device(at::kCPU);
   const bool on_gpu = !L.q_factors.device().is_cpu();
@@ -527,7 +527,9 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& 
   }
   st.maybe_report_stats(is_last);
   round_two.submit(round_two_step(st.process_group(), job), is_last);
-  if (is_last) st.maybe_increase_iter(true);
+  // Every bucket, as torch's hook: only the last one counts the iteration, but any logs "Start to
+  // apply PowerSGD" while iter equals start_powerSGD_iter (torch's records, one per bucket).
+  st.maybe_increase_iter(is_last);
   return job->result;
 }
 

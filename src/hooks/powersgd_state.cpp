@@ -107,10 +107,18 @@ void PowerSGDState::maybe_increase_iter(bool bucket_is_last) {
     ++iter_;
     saw_full_iteration_ = true;
   }
-  if (iter_ == options_.start_powerSGD_iter && bucket_is_last) {
+  // As torch: logged on every call that leaves iter at start_powerSGD_iter, so once for the
+  // last bucket of the step that reaches it and once for each other bucket of the next step.
+  if (iter_ == options_.start_powerSGD_iter) {
     log("Start to apply PowerSGD after " + std::to_string(iter_) + " iterations.");
   }
 }
+
+void PowerSGDState::set_seed_source(std::function<int64_t()> source) {
+  seed_source_ = std::move(source);
+}
+
+int64_t PowerSGDState::draw_seed() { return seed_source_ ? seed_source_() : rng_.randint_1e9(); }
 
 void PowerSGDState::set_logger(std::function<void(const std::string&)> logger) {
   logger_ = std::move(logger);

@@ -51,6 +51,9 @@ void bind_powersgd(py::module& m) {
       .def("compression_stats", &PowerSGDState::compression_stats)
       .def("maybe_increase_iter", &PowerSGDState::maybe_increase_iter, py::arg("bucket_is_last"))
       .def("set_logger", &PowerSGDState::set_logger, py::arg("logger"))
+      .def("set_seed_source", &PowerSGDState::set_seed_source, py::arg("source"),
+           "A callable returning each Q seed (called with the GIL held), replacing the built-in "
+           "generator; None restores it.")
       .def("error_dict", &PowerSGDState::error_memories,
            "Per-parameter error-feedback residuals, keyed by parameter order of first appearance.")
       .def("clear_memories", &PowerSGDState::clear_memories,

@@ -139,8 +139,16 @@ class PowerSGDState {
   // backward) to start them afresh.
   void clear_memories();
 
+  // Where the hooks draw the seed of each fresh Q: by default the built-in numpy-compatible
+  // generator (rng(), saved by state_dict()); a set source replaces it (Python: a draw from the
+  // state's numpy RandomState, `state.rng.randint(1_000_000_000)` as torch's hook does; the
+  // Python side then saves that generator itself). Null restores the built-in generator.
+  void set_seed_source(std::function<int64_t()> source);
+
   // --- used by the hooks ---
   NumpyRandint& rng() { return rng_; }
+  // One Q seed, from the seed source if one is set, else from rng().
+  int64_t draw_seed();
   void add_compression_stats(int64_t before, int64_t after);
   void maybe_report_stats(bool bucket_is_last);
   // Parameter keys of a bucket, assigning new keys in first-appearance order; errors if the
@@ -153,6 +161,7 @@ class PowerSGDState {
   ProcessGroupPtr pg_;
   PowerSGDOptions options_;
   NumpyRandint rng_;
+  std::function<int64_t()> seed_source_;
   int64_t iter_ = 0;
   int64_t total_before_ = 0;
   int64_t total_after_ = 0;

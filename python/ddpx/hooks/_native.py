@@ -75,16 +75,41 @@ def _call_back(state: Any, callback: str, arg: Any) -> None:
 
 # ---- hook functions ---------------------------------------------------------------------------
 
-def make_hook(name: str, build: Callable[[Any], "_C.CommHook"], doc: str,
-              state_type: type = dist.ProcessGroup) -> HookFn:
-    """A ddpx hook function named ``name``: ``build(native_state(state, name, state_type))``
-    makes its C++ object for a state."""
+def _run(hook: HookFn, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    native = native_hook(hook, state)
+    _call_back(state, "_ddpx_on_bucket_", bucket)
+    # DDP's Python path expects the future to hold a Python object: `then` provides it.
+    return native.run(bucket).then(_value)
 
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        native = native_hook(hook, state)
-        _call_back(state, "_ddpx_on_bucket_", bucket)
-        # DDP's Python path expects the future to hold a Python object: `then` provides it.
-        return native.run(bucket).then(_value)
+
+def _hook_function(first_param: str) -> HookFn:
+    """A hook function whose parameters are named as torch's: ``(first_param, bucket)`` (torch
+    names the first one ``process_group`` in the default hooks, ``state`` in the stateful ones,
+    ``_`` in noop_hook and ``hook_state`` in the hooks its compress wrappers return), so that
+    calls by keyword and ``inspect.signature`` see torch's names."""
+    if first_param == "process_group":
+        def hook(process_group, bucket):
+            return _run(hook, process_group, bucket)
+    elif first_param == "hook_state":
+        def hook(hook_state, bucket):
+            return _run(hook, hook_state, bucket)
+    elif first_param == "_":
+        def hook(_, bucket):
+            return _run(hook, _, bucket)
+    elif first_param == "state":
+        def hook(state, bucket):
+            return _run(hook, state, bucket)
+    else:
+        raise ValueError(f"unknown hook parameter name {first_param!r}")
+    return hook
+
+
+def make_hook(name: str, build: Callable[[Any], "_C.CommHook"], doc: str,
+              state_type: type = dist.ProcessGroup, first_param: str = "state") -> HookFn:
+    """A ddpx hook function named ``name``: ``build(native_state(state, name, state_type))``
+    makes its C++ object for a state. ``first_param``: the name of its state parameter (torch's,
+    see :func:`_hook_function`)."""
+    hook = _hook_function(first_param)
 
     # torch 1.13's DDP refuses any hook *named* bf16_compress_hook unless torch has CUDA and
     # NCCL >= 2.10, before the hook runs. ddpx's bf16 hooks work on Gloo and CPU, so their
@@ -115,8 +140,12 @@ def native_hook(hook: HookFn, state: Any = None) -> "_C.CommHook":
     # Stateful hooks (PowerSGDState, ...) keep their native objects on the state itself, so that
     # they (and the process group they hold) die with it; None / ProcessGroup states share a
     # module cache, emptied at exit before torch tears the process groups down.
-    if hasattr(state, "__dict__"):
+    cache = None
+    if isinstance(state, NativeState):
+        cache = state._native_hooks()
+    elif hasattr(state, "__dict__"):
         cache = state.__dict__.setdefault("_ddpx_native_hooks", {})
+    if cache is not None:
         entry = cache.get(id(hook))
         if entry is None or entry[0] is not hook:
             entry = (hook, factory(state))
@@ -216,9 +245,23 @@ class NativeState:
     """Base of the Python mirrors of the native hook states, whose C++ object is ``self._cpp``:
     the protocol's ``_ddpx_native_``, iteration counting, ``state_dict()`` /
     ``load_state_dict()`` and pickling. Subclasses define ``__setstate__`` (how to rebuild the
-    native state) and log through their module's logger."""
+    native state) and log through their module's logger.
 
-    _cpp: Any
+    Like torch's states, the ddpx ones have no ``__dict__`` (``__slots__``): assigning a
+    misspelled attribute (``state.matrix_aproximation_rank = 4``) raises AttributeError instead
+    of being silently ignored. Subclasses declare their own private slots, and set the class's
+    ``__slots__`` to torch's list of names after the class is built (see
+    :func:`declare_torch_slots`)."""
+
+    __slots__ = ("_cpp", "_ddpx_native_hooks", "__weakref__")
+
+    def _native_hooks(self) -> Dict[int, Any]:
+        """The cache of native hook objects built on this state (see :func:`native_hook`)."""
+        try:
+            return self._ddpx_native_hooks
+        except AttributeError:
+            self._ddpx_native_hooks: Dict[int, Any] = {}
+            return self._ddpx_native_hooks
 
     def _ddpx_native_(self, hook_name: str) -> Any:
         return self._cpp
@@ -239,3 +282,13 @@ class NativeState:
         logging.getLogger(type(self).__module__).warning(
             "NOTE: Process group is not serializable and excluded from a saved state.")
         return self.state_dict()
+
+
+def declare_torch_slots(cls: type, names: Tuple[str, ...]) -> None:
+    """Sets ``cls.__slots__`` to torch's names for the same class, after the class is built.
+
+    The instance layout comes from the private slots the class declared when it was built (torch's
+    names are properties there, reading the native state, and a slot may not share a property's
+    name); ``__slots__`` itself is then an ordinary class attribute, read by code that enumerates
+    a state's fields as torch's own ``__getstate__`` does (``for slot in self.__slots__``)."""
+    cls.__slots__ = list(names)  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ allreduce_hook = make_hook(
     """Averages the bucket over the group with one allreduce, like torch's ``allreduce_hook``
     (same result, bit for bit, for fp32 gradients). ``state`` is a ProcessGroup or None for the
     default group.""" + _example("allreduce_hook"),
+    first_param="process_group",
 )
 
 fp16_compress_hook = make_hook(
@@ -30,6 +31,7 @@ fp16_compress_hook = make_hook(
     exchanges the half-precision values and writes the mean back in the bucket's dtype.
     On Gloo the fp16 values are gathered and summed in fp32 (faster than Gloo's scalar fp16
     sums, and no fp16 rounding of partial sums).""" + _example("fp16_compress_hook"),
+    first_param="process_group",
 )
 
 bf16_compress_hook = make_hook(
@@ -37,6 +39,7 @@ bf16_compress_hook = make_hook(
     lambda group: _C.compress_hook(group, torch.bfloat16),
     """Like :func:`fp16_compress_hook` with ``torch.bfloat16``. Works on Gloo and on CPU too
     (torch's own refuses anything but NCCL >= 2.10 with CUDA).""" + _example("bf16_compress_hook"),
+    first_param="process_group",
 )
 
 noop_hook = make_hook(
@@ -49,6 +52,7 @@ noop_hook = make_hook(
         >>> ddp_model.register_comm_hook(None, ddpx.hooks.noop_hook)
     """,
     state_type=object,
+    first_param="_",
 )
 
 
@@ -67,6 +71,7 @@ def _make_wrapper(dtype: torch.dtype, name: str):
             f"{name}({hook._ddpx_name}): runs the wrapped hook on a {dtype} copy of the bucket "
             "and casts its result back into the bucket's dtype.",
             state_type=object,
+            first_param="hook_state",
         )
 
     wrapper.__name__ = wrapper.__qualname__ = name

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from .._groups import check_optional_group, intra_node_subgroup, resolve_group
 from .._loader import _C
-from ._native import NativeState, check_int, make_hook, native_property, process_group_property
+from ._native import (NativeState, check_int, declare_torch_slots, make_hook, native_property,
+                      process_group_property)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,12 @@ class PostLocalSGDState(NativeState):
         >>> opt = ddpx.optim.PostLocalSGDOptimizer(
         ...     torch.optim.SGD(ddp_model.parameters(), lr=0.01),
         ...     ddpx.model_averaging.PeriodicModelAverager(period=4, warmup_steps=100))
+
+    As torch's, ``__slots__`` lists the state's fields and an instance has no ``__dict__`` (a
+    misspelled attribute raises AttributeError).
     """
+
+    __slots__ = ("_process_group", "_subgroup", "_params_tagged")
 
     def __init__(
         self,
@@ -126,6 +132,10 @@ class PostLocalSGDState(NativeState):
         ref = weakref.ref(self)
         for p in params:
             setattr(p, STATE_TAG, ref)
+
+
+declare_torch_slots(PostLocalSGDState, ("process_group", "subgroup", "start_localSGD_iter",
+                                        "post_local_gradient_allreduce", "iter"))
 
 
 def hook_state_of(params) -> Optional[PostLocalSGDState]:

@@ -10,10 +10,72 @@ import torch.distributed as dist
 
 from .._groups import resolve_group
 from .._loader import _C
-from ._native import (NativeState, check_int, check_number, make_hook, native_property,
-                      process_group_property)
+from ._native import (NativeState, check_int, check_number, declare_torch_slots, make_hook,
+                      native_property, process_group_property)
+
+try:  # torch's PowerSGDState needs numpy for its `rng`; ddpx runs without it (see `rng`).
+    import numpy as _np
+except ImportError:  # pragma: no cover - both supported torches come with numpy
+    _np = None
 
 logger = logging.getLogger(__name__)
+
+# torch's PowerSGDState.__slots__, in torch's order (the same in torch 1.13 and 2.11).
+_TORCH_SLOTS = (
+    "process_group",
+    "matrix_approximation_rank",
+    "start_powerSGD_iter",
+    "min_compression_rate",
+    "orthogonalization_epsilon",
+    "use_error_feedback",
+    "warm_start",
+    "batch_tensors_with_same_shape",
+    "rng",
+    "error_dict",
+    "p_memory_dict",
+    "q_memory_dict",
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "compression_stats_logging_frequency",
+    "next_stats_report",
+)
+
+# The draws of torch's hook: `torch.manual_seed(state.rng.randint(1_000_000_000))`.
+_SEED_RANGE = 1_000_000_000
+_MT_WORDS = 624
+
+
+def _rng_to_text(rng: Any) -> str:
+    """A numpy RandomState's MT19937 state in the native checkpoint's format (the state words,
+    then the position: what C++'s std::mt19937 reads back)."""
+    get_state = getattr(rng, "get_state", None)
+    state = get_state() if callable(get_state) else None
+    if not isinstance(state, tuple) or state[0] != "MT19937":
+        raise TypeError(
+            f"{_WHO}: state_dict() saves rng only as a numpy.random.RandomState (MT19937), got "
+            f"{type(rng).__name__}")
+    key, pos = state[1], state[2]
+    return " ".join(str(int(word)) for word in key) + " " + str(int(pos))
+
+
+def _rng_from_text(text: str, into: Any = None) -> Any:
+    """The inverse of :func:`_rng_to_text`: sets ``into`` (a RandomState) or a new one."""
+    words = text.split()
+    if len(words) != _MT_WORDS + 1:
+        raise ValueError(f"{_WHO}: corrupt generator state in checkpoint")
+    rng = into if isinstance(into, _np.random.RandomState) else _np.random.RandomState()
+    rng.set_state(("MT19937", _np.array([int(w) for w in words[:_MT_WORDS]], dtype=_np.uint32),
+                   int(words[_MT_WORDS])))
+    return rng
+
+
+def _seed_source(box: list):
+    """What the native hooks call for each Q seed: a draw from the state's current ``rng``, as
+    torch's hook draws. It holds the box, not the state (no reference cycle through C++)."""
+    def draw() -> int:
+        return int(box[0].randint(_SEED_RANGE))
+    return draw
 
 
 def _silent(line: str) -> None:
@@ -54,12 +116,25 @@ class PowerSGDState(NativeState):
       ``orthogonalization_epsilon`` raise ValueError (torch accepts them and fails later).
     * A column of zeros with ``orthogonalization_epsilon == 0`` stays zero instead of turning
       into NaN.
+    * ``__slots__`` lists torch's names, and as with torch an instance has no ``__dict__``
+      (a misspelled attribute raises AttributeError); the values live in the native state, so
+      the class's real slots are private ones.
+
+    ``rng`` is torch's: a ``numpy.random.RandomState(random_seed)``, and the hooks draw each
+    fresh Q's seed from it (``rng.randint(1_000_000_000)``, as torch's hook), so reseeding it
+    (``state.rng.seed(s)``) or replacing it (``state.rng = RandomState(s)``) changes the Qs as
+    with torch. ``state_dict()`` and pickling carry its MT19937 state (not a cached Gaussian
+    from ``rng.randn``, which the hooks never use). Without numpy (torch's state cannot be built
+    then), the hooks draw the same seeds from a built-in MT19937 and reading ``rng`` raises
+    AttributeError saying so.
 
     Example::
         >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1,
         ...                                  start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, ddpx.hooks.powerSGD_hook)
     """
+
+    __slots__ = ("_process_group", "_rng_box")
 
     def __init__(
         self,
@@ -101,6 +176,29 @@ class PowerSGDState(NativeState):
             orthogonalization_epsilon, use_error_feedback, warm_start, random_seed,
             compression_stats_logging_frequency, batch_tensors_with_same_shape)
         self._cpp.set_logger(logger.info)
+        self._set_rng(_np.random.RandomState(random_seed) if _np is not None else None)
+
+    # -- the generator of the Q seeds --------------------------------------------------------------
+    def _set_rng(self, rng: Any) -> None:
+        """Makes ``rng`` the generator the hooks draw from (None: the native built-in one)."""
+        self._rng_box = [rng]
+        self._cpp.set_seed_source(None if rng is None else _seed_source(self._rng_box))
+
+    @property
+    def rng(self) -> Any:
+        """torch's ``rng``: the ``numpy.random.RandomState`` the hooks draw each fresh Q's seed
+        from; settable, as torch's."""
+        rng = self._rng_box[0]
+        if rng is None:
+            raise AttributeError(
+                f"{_WHO}.rng is a numpy.random.RandomState and numpy is not installed (torch's "
+                "PowerSGDState needs numpy too); ddpx draws the same Q seeds from its built-in "
+                "MT19937 generator, saved by state_dict()")
+        return rng
+
+    @rng.setter
+    def rng(self, value: Any) -> None:
+        self._set_rng(value)
 
     # -- torch's attributes (the hyperparameters are set up below the class) -------------------
     process_group = process_group_property(_WHO)
@@ -134,8 +232,16 @@ class PowerSGDState(NativeState):
         return self._cpp.compression_stats()
 
     # -- checkpointing ---------------------------------------------------------------------------
-    # state_dict() (hyperparameters, iteration, statistics, generator state and per-parameter
-    # memories as CPU tensors) and pickling come from NativeState.
+    # state_dict(): hyperparameters, iteration, statistics, generator state and per-parameter
+    # memories as CPU tensors; pickling (NativeState) saves it.
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to resume, without the process group (not serialisable): the
+        hyperparameters, ``iter``, the statistics, ``rng``'s state and the memories."""
+        d = self._cpp.state_dict()
+        if self._rng_box[0] is not None:
+            d["rng"] = _rng_to_text(self._rng_box[0])
+        return d
+
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
         """Restores :meth:`state_dict`'s content. Call it before the first backward of the new
         DDP model: memories reach their parameters as the buckets first run. A value of the wrong
@@ -145,6 +251,9 @@ class PowerSGDState(NativeState):
         (error feedback restarts from zero there). Q memories of another size are always dropped
         (a changed rank legitimately changes them)."""
         self._cpp.load_state_dict(state_dict, strict=bool(strict))
+        if self._rng_box[0] is not None:
+            # Into the current RandomState, so that references to state.rng stay live.
+            self._set_rng(_rng_from_text(state_dict["rng"], into=self._rng_box[0]))
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # torch's record, character for character (its source continues the string with a
@@ -163,6 +272,7 @@ class PowerSGDState(NativeState):
         self._cpp = _C.PowerSGDState(resolve_group(None, _WHO), opts, _silent)
         self._cpp.load_state_dict(state)
         self._cpp.set_logger(logger.info)
+        self._set_rng(_rng_from_text(state["rng"]) if _np is not None else None)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)!r}" for n in _OPTION_NAMES)
@@ -183,6 +293,8 @@ for _name in _OPTION_NAMES:
     setattr(PowerSGDState, _name, native_property(
         _name, get=_get_option, put=_set_option,
         doc=f"The ``{_name}`` hyperparameter (settable)."))
+
+declare_torch_slots(PowerSGDState, _TORCH_SLOTS)
 
 
 powerSGD_hook = make_hook(
