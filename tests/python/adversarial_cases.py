@@ -10,6 +10,7 @@ Rank functions run in the ranks of ``dist_utils.run_ranks``; the tests in ``test
 check what they return. The table of every case with ddpx's and torch's outcome is
 ``docs/reliability.md``.
 """
+import datetime
 import math
 import os
 import time
@@ -46,16 +47,16 @@ def _subgroup_of_one():
     return mine
 
 
-def _powersgd_state(impl: str, **kw):
+def _powersgd_state(impl: str, group=None, **kw):
     cls = ddpx.hooks.PowerSGDState if impl == "ddpx" else tps.PowerSGDState
     opts = dict(matrix_approximation_rank=1, start_powerSGD_iter=START, min_compression_rate=1.5)
     opts.update(kw)
-    return cls(process_group=None, **opts)
+    return cls(process_group=group, **opts)
 
 
-def _post_local_state(impl: str):
+def _post_local_state(impl: str, group=None):
     cls = ddpx.hooks.PostLocalSGDState if impl == "ddpx" else tpl.PostLocalSGDState
-    return cls(process_group=None, subgroup=_subgroup_of_one(), start_localSGD_iter=START)
+    return cls(process_group=group, subgroup=_subgroup_of_one(), start_localSGD_iter=START)
 
 
 class HookSpec:
@@ -73,8 +74,9 @@ class HookSpec:
         self.torch_available = torch_hook is not None and torch_works
         self.local_sgd = local_sgd      # a post-local-SGD hook: averaging is the averager's job
 
-    def make(self, impl: str) -> Tuple[Any, Callable]:
-        state = self._state(impl) if self._state is not None else None
+    def make(self, impl: str, group=None) -> Tuple[Any, Callable]:
+        """(state, hook) on `group` (None: the default group)."""
+        state = self._state(impl, group) if self._state is not None else group
         if impl == "ddpx":
             return state, self._ddpx_hook()
         assert self.torch_available, f"torch has no working {self.name} here"
@@ -115,14 +117,14 @@ def _torch_noop():
 IMPLS = ("torch", "ddpx_dropin", "ddpx_native")
 
 
-def register(ddp: DDP, spec: HookSpec, impl: str) -> Any:
+def register(ddp: DDP, spec: HookSpec, impl: str, group=None) -> Any:
     """Registers `spec`'s hook on `ddp` as `impl`; returns the hook state.
 
     torch's PowerSGD hooks are registered waited per bucket (powersgd_cases.torch_synchronized):
     as shipped they issue collectives from future callbacks and, with several buckets on Gloo,
     abort the process or hang without any fault (seen in 3 of 3 fault runs here, and 5 of 5
     in powersgd_cases' runs); waited, they are the reference a user could actually run."""
-    state, hook = spec.make("torch" if impl == "torch" else "ddpx")
+    state, hook = spec.make("torch" if impl == "torch" else "ddpx", group)
     if impl == "torch" and not spec.elementwise:
         from powersgd_cases import torch_synchronized
         hook = torch_synchronized(hook)
@@ -133,7 +135,7 @@ def register(ddp: DDP, spec: HookSpec, impl: str) -> Any:
     return state
 
 
-def make_averager(spec: HookSpec, impl: str):
+def make_averager(spec: HookSpec, impl: str, group=None):
     """The model averager that goes with a post-local-SGD hook (period 1: every step after
     START averages), else None."""
     if not spec.local_sgd:
@@ -145,7 +147,7 @@ def make_averager(spec: HookSpec, impl: str):
         cls = ddpx.model_averaging.PeriodicModelAverager
     with warnings.catch_warnings():  # "When period is 1, no need to use model averaging ..."
         warnings.simplefilter("ignore", UserWarning)
-        return cls(period=1, warmup_steps=START)
+        return cls(period=1, warmup_steps=START, process_group=group)
 
 
 def outcome_of(exc: Optional[BaseException]) -> Optional[Tuple[str, str]]:
@@ -160,6 +162,14 @@ FAULTS = ("dead_between_steps", "dead_in_backward", "stalled")
 # survivor, has reported, so a stall costs about the timeout.
 FAULT_TIMEOUT_S = 5.0
 STALL_S = FAULT_TIMEOUT_S + 30.0
+
+
+def fault_group():
+    """A group of all ranks whose collectives time out after FAULT_TIMEOUT_S. The fault runs use
+    it for the model, the hooks and the averagers, while the default group keeps run_ranks' long
+    timeout for start-up (ranks of a loaded machine can start seconds apart)."""
+    return dist.new_group(ranks=list(range(dist.get_world_size())),
+                          timeout=datetime.timedelta(seconds=FAULT_TIMEOUT_S))
 
 
 def _stall(stall_s: float) -> None:
@@ -177,9 +187,10 @@ def rank_fault(rank: int, world_size: int, hook: str, impl: str, fault: str,
     (its process group is broken: no teardown)."""
     spec = HOOKS[hook]
     faulty = rank == world_size - 1
-    ddp = dc.make_ddp(dc.make_model(), "torch_none")
-    register(ddp, spec, impl)
-    averager = make_averager(spec, impl)
+    group = fault_group()
+    ddp = dc.make_ddp(dc.make_model(), "torch_none", process_group=group)
+    register(ddp, spec, impl, group)
+    averager = make_averager(spec, impl, group)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     if faulty and fault == "dead_in_backward":
         first = ddp.module[0].weight  # the last gradient of the backward pass
@@ -214,29 +225,48 @@ def rank_fault(rank: int, world_size: int, hook: str, impl: str, fault: str,
                "outcome": None})
 
 
-def _averaging_fault_target(which: str, impl: str):
+def _fault_subgroups(group_size=None, group=None, **kwargs):
+    """dist.new_subgroups for torch 1.13's HierarchicalModelAverager without CUDA: consecutive
+    blocks of `group_size` ranks, with the fault runs' timeout."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine, groups = None, []
+    for start in range(0, world, group_size):
+        ranks = list(range(start, start + group_size))
+        g = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=FAULT_TIMEOUT_S))
+        groups.append(g)
+        if rank in ranks:
+            mine = g
+    return mine, groups
+
+
+def _averaging_fault_target(which: str, impl: str, group):
     """A callable averaging a list of parameters once per call, as `which` does it."""
     from torch.distributed.algorithms.model_averaging import averagers as ta
     from torch.distributed.algorithms.model_averaging import utils as tu
     if which == "average_parameters":
         fn = tu.average_parameters if impl == "torch" else ddpx.model_averaging.average_parameters
-        return lambda params: fn(params, dist.group.WORLD)
+        return lambda params: fn(params, group)
     if which == "periodic":
         cls = ta.PeriodicModelAverager if impl == "torch" else ddpx.model_averaging.PeriodicModelAverager
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            avg = cls(period=1, warmup_steps=0)
+            avg = cls(period=1, warmup_steps=0, process_group=group)
         return avg.average_parameters
     if which == "hierarchical":
         import collections
         sizes = collections.OrderedDict([(1, 1), (2, dist.get_world_size())])
         if impl == "torch":
             from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as th
-            from post_local_sgd_cases import cpu_new_subgroups
-            with cpu_new_subgroups():
-                avg = th.HierarchicalModelAverager(sizes, warmup_steps=0)
+            original = dist.new_subgroups
+            if not tc.NEW_SUBGROUPS_WITHOUT_CUDA:  # 1.13 builds no subgroups without CUDA
+                dist.new_subgroups = _fault_subgroups
+            try:
+                avg = th.HierarchicalModelAverager(sizes, warmup_steps=0, process_group=group)
+            finally:
+                dist.new_subgroups = original
         else:
-            avg = ddpx.model_averaging.HierarchicalModelAverager(sizes, warmup_steps=0)
+            avg = ddpx.model_averaging.HierarchicalModelAverager(sizes, warmup_steps=0,
+                                                                 process_group=group)
         return avg.average_parameters
     raise ValueError(which)
 
@@ -251,6 +281,7 @@ def rank_averaging_fault(rank: int, world_size: int, which: str, impl: str, faul
     averaging of FAULT_STEP, or stalls there for `stall_s` s (fault "dead_between_steps" /
     "stalled"). The survivors record what was raised and how long it took."""
     faulty = rank == world_size - 1
+    group = fault_group()
     model = dc.make_model()
     params = list(model.parameters())
     if which == "post_local_optimizer":
@@ -260,10 +291,11 @@ def rank_averaging_fault(rank: int, world_size: int, which: str, impl: str, faul
         ocls = PostLocalSGDOptimizer if impl == "torch" else ddpx.optim.PostLocalSGDOptimizer
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            opt = ocls(torch.optim.SGD(params, lr=LR), acls(period=1, warmup_steps=0))
+            opt = ocls(torch.optim.SGD(params, lr=LR),
+                       acls(period=1, warmup_steps=0, process_group=group))
         step_fn = lambda: opt.step()  # noqa: E731
     else:
-        avg = _averaging_fault_target(which, impl)
+        avg = _averaging_fault_target(which, impl, group)
         step_fn = lambda: avg(params)  # noqa: E731
     step, started = 0, time.monotonic()
     try:
