@@ -632,16 +632,7 @@ def _register_option(ddp: DDP, hook: str, impl: str, group, groups: OptionGroups
 
 
 def _option_averager(hook: str, impl: str, group):
-    if not HOOKS[hook].local_sgd or impl == PROBE:
-        return None
-    if impl == "torch":
-        from torch.distributed.algorithms.model_averaging import averagers
-        cls = averagers.PeriodicModelAverager
-    else:
-        cls = ddpx.model_averaging.PeriodicModelAverager
-    with warnings.catch_warnings():  # "When period is 1, no need to use model averaging ..."
-        warnings.simplefilter("ignore", UserWarning)
-        return cls(period=1, warmup_steps=START, process_group=group)
+    return None if impl == PROBE else make_averager(HOOKS[hook], impl, group)
 
 
 def _wrap_option(model: nn.Module, opt: Dict[str, Any], group) -> DDP:
