@@ -41,8 +41,9 @@ def ddp_bucket_kwargs(bucket_bytes: int, first_bucket_bytes: int) -> Dict[str, A
 
 
 def _torch_batched_powersgd_works() -> bool:
-    """torch 1.13's batched_powerSGD_hook fails on its first compressed step: it passes the 2-D
-    Q to _orthogonalize, which asserts a 3-D batch. torch 2.x's _orthogonalize takes 2-D input."""
+    """torch's batched_powerSGD_hook fails on its first compressed step: it passes the 2-D Q to
+    _orthogonalize, which asserts a 3-D batch. Seen on 1.13.1 and on 2.11.0 alike (False on
+    both); a torch whose _orthogonalize takes 2-D input makes this True."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
     try:
         tp._orthogonalize(torch.ones(4, 1))
