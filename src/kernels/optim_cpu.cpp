@@ -58,7 +58,7 @@ DDPX_OPTIM_INLINE void adam_loop(T* __restrict p, const T* __restrict g, T* __re
   const detail::AdamCoeffs<T> c = coeffs;  // a local copy: stores through p cannot alias it
   // Values go through locals, loaded and stored unconditionally, so the element function's
   // branches become selects and the loop vectorises.
-  if (c.amsgrad) {
+  if (c.amsgrad != T(0)) {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       T pi = p[i], mi = m[i], vi = v[i], vmaxi = vmax[i];

@@ -42,12 +42,12 @@ __global__ void adam_kernel(T* __restrict__ p, const T* __restrict__ g, T* __res
     T pi = p[i];
     T mi = m[i];
     T vi = v[i];
-    T vmaxi = c.amsgrad ? vmax[i] : T(0);
+    T vmaxi = c.amsgrad != T(0) ? vmax[i] : T(0);
     detail::adam_element(pi, g[i], mi, vi, vmaxi, c);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
-    if (c.amsgrad) vmax[i] = vmaxi;
+    if (c.amsgrad != T(0)) vmax[i] = vmaxi;
   }
 }
 

@@ -82,7 +82,14 @@ DDPX_OPTIM_INLINE void sgd_element(T& p, T g, T& buf, const SgdCoeffs<T>& c) {
   p = fmadd(g, c.neg_lr, p);  // param.add_(grad, alpha=-lr)
 }
 
-// AdamScalars rounded to the element type.
+// A select on a flag held as 0 or 1 in the element type: GCC vectorises a comparison of a
+// float with a select, but not a select on an invariant bool (it keeps the loop scalar).
+template <typename T>
+DDPX_OPTIM_INLINE T select(T flag, T if_set, T if_clear) {
+  return flag != T(0) ? if_set : if_clear;
+}
+
+// AdamScalars rounded to the element type; the flags as 0/1 of the element type (see select).
 template <typename T>
 struct AdamCoeffs {
   T weight_decay;
@@ -94,12 +101,12 @@ struct AdamCoeffs {
   T neg_step_size;
   T bias_correction2_sqrt;
   T eps;
-  bool decoupled_decay;  // weight_decay != 0, AdamW
-  bool l2_decay;         // weight_decay != 0, Adam
-  bool lerp;             // torch 2.x: exp_avg.lerp_(grad, 1 - beta1)
-  bool lerp_small;       // |1 - beta1| < 0.5: ATen's lerp starts from exp_avg, else from grad
-  bool amsgrad;
-  bool maximize;
+  T decoupled_decay;  // weight_decay != 0, AdamW
+  T l2_decay;         // weight_decay != 0, Adam
+  T lerp;             // torch 2.x: exp_avg.lerp_(grad, 1 - beta1)
+  T lerp_small;       // |1 - beta1| < 0.5: ATen's lerp starts from exp_avg, else from grad
+  T amsgrad;
+  T maximize;
 };
 
 template <typename T>
@@ -114,12 +121,12 @@ inline AdamCoeffs<T> adam_coeffs(const AdamScalars& s) {
   c.neg_step_size = static_cast<T>(-s.step_size);
   c.bias_correction2_sqrt = static_cast<T>(s.bias_correction2_sqrt);
   c.eps = static_cast<T>(s.eps);
-  c.decoupled_decay = s.weight_decay != 0 && s.decoupled_weight_decay;
-  c.l2_decay = s.weight_decay != 0 && !s.decoupled_weight_decay;
-  c.lerp = s.formula == AdamFormula::kTorch2;
-  c.lerp_small = c.one_minus_beta1 < T(0.5) && c.one_minus_beta1 > T(-0.5);
-  c.amsgrad = s.amsgrad;
-  c.maximize = s.maximize;
+  c.decoupled_decay = s.weight_decay != 0 && s.decoupled_weight_decay ? T(1) : T(0);
+  c.l2_decay = s.weight_decay != 0 && !s.decoupled_weight_decay ? T(1) : T(0);
+  c.lerp = s.formula == AdamFormula::kTorch2 ? T(1) : T(0);
+  c.lerp_small = c.one_minus_beta1 < T(0.5) && c.one_minus_beta1 > T(-0.5) ? T(1) : T(0);
+  c.amsgrad = s.amsgrad ? T(1) : T(0);
+  c.maximize = s.maximize ? T(1) : T(0);
   return c;
 }
 
@@ -128,11 +135,11 @@ inline AdamCoeffs<T> adam_coeffs(const AdamScalars& s) {
 template <typename T>
 DDPX_OPTIM_INLINE void adam_element(T& p, T g, T& m, T& v, T& vmax, const AdamCoeffs<T>& c) {
   // As sgd_element: every candidate computed, the flags select among values.
-  g = c.maximize ? -g : g;
+  g = select(c.maximize, -g, g);
   const T p_decayed = p * c.decay;             // AdamW: param.mul_(1 - lr * weight_decay)
   const T g_l2 = fmadd(p, c.weight_decay, g);  // Adam: grad.add(param, alpha=weight_decay)
-  p = c.decoupled_decay ? p_decayed : p;
-  g = c.l2_decay ? g_l2 : g;
+  p = select(c.decoupled_decay, p_decayed, p);
+  g = select(c.l2_decay, g_l2, g);
   // 2.x: exp_avg.lerp_(grad, 1 - beta1), ATen's two-sided form; 1.13: exp_avg.mul_(beta1)
   // .add_(grad, alpha=1 - beta1).
   const T w = c.one_minus_beta1;
@@ -140,13 +147,12 @@ DDPX_OPTIM_INLINE void adam_element(T& p, T g, T& m, T& v, T& vmax, const AdamCo
   const T m_lerp_small = fmadd(w, d, m);
   const T m_lerp_large = fmadd(w - T(1), d, g);
   const T m_mul_add = fmadd(g, c.one_minus_beta1, m * c.beta1);
-  const T m_lerp = c.lerp_small ? m_lerp_small : m_lerp_large;
-  m = c.lerp ? m_lerp : m_mul_add;
+  m = select(c.lerp, select(c.lerp_small, m_lerp_small, m_lerp_large), m_mul_add);
   v = fmadd(c.one_minus_beta2 * g, g, v * c.beta2);  // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
   // torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq): NaN wins.
   const T vmax_next = maximum(vmax, v);
-  vmax = c.amsgrad ? vmax_next : vmax;
-  const T s = c.amsgrad ? vmax_next : v;
+  vmax = select(c.amsgrad, vmax_next, vmax);
+  const T s = select(c.amsgrad, vmax_next, v);
   const T denom = sqrt_rn(s) / c.bias_correction2_sqrt + c.eps;  // (sqrt / bc2_sqrt).add_(eps)
   p = p + (c.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
 }
