@@ -4,7 +4,7 @@
 //
 // Every element is updated by the function in optim_inl.h, shared with the CUDA kernels, which
 // follows torch.optim's single-tensor implementation operation by operation (see there), so
-// results match torch's CPU optimizers bit for bit in the common case.
+// results match torch's CPU optimizers bit for bit where torch's own ops are IEEE-rounded.
 #pragma once
 
 #include <cstdint>
