@@ -27,6 +27,44 @@ kernels::DType check_like(const at::Tensor& param, const at::Tensor& t, const ch
 
 void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
+// The kernels by tensor type, so that run() serves both optimizers.
+void cpu_range(const kernels::SgdTensor& t, kernels::DType dt, const kernels::SgdScalars& s,
+               int64_t begin, int64_t end) {
+  kernels::sgd_cpu(t, dt, s, begin, end);
+}
+void cpu_range(const kernels::AdamTensor& t, kernels::DType dt, const kernels::AdamScalars& s,
+               int64_t begin, int64_t end) {
+  kernels::adam_cpu(t, dt, s, begin, end);
+}
+#ifdef DDPX_WITH_CUDA
+void cuda_all(const kernels::SgdTensor& t, kernels::DType dt, const kernels::SgdScalars& s,
+              cudaStream_t stream) {
+  kernels::sgd_cuda(t, dt, s, stream);
+}
+void cuda_all(const kernels::AdamTensor& t, kernels::DType dt, const kernels::AdamScalars& s,
+              cudaStream_t stream) {
+  kernels::adam_cuda(t, dt, s, stream);
+}
+#endif
+
+// Runs `t`'s update: on the current stream of param's CUDA device, or split across ATen's
+// intra-op threads on CPU.
+template <typename KTensor, typename KScalars>
+void run(const at::Tensor& param, const KTensor& t, kernels::DType dt, const KScalars& s) {
+  if (t.n == 0) return;
+  if (param.is_cuda()) {
+    TORCH_CHECK(kWithCuda,
+                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+#ifdef DDPX_WITH_CUDA
+    const CudaLaunch launch(param);
+    cuda_all(t, dt, s, launch.stream());
+#endif
+    return;
+  }
+  at::parallel_for(0, t.n, kGrain,
+                   [&](int64_t begin, int64_t end) { cpu_range(t, dt, s, begin, end); });
+}
+
 }  // namespace
 
 void sgd_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& buf,
@@ -39,18 +77,7 @@ void sgd_update(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   t.grad = grad.data_ptr();
   t.buf = s.momentum != 0 ? buf.data_ptr() : nullptr;
   t.n = param.numel();
-  if (t.n == 0) return;
-  if (param.is_cuda()) {
-    TORCH_CHECK(kWithCuda,
-                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
-#ifdef DDPX_WITH_CUDA
-    const CudaLaunch launch(param);
-    kernels::sgd_cuda(t, dt, s, launch.stream());
-#endif
-    return;
-  }
-  at::parallel_for(0, t.n, kGrain,
-                   [&](int64_t begin, int64_t end) { kernels::sgd_cpu(t, dt, s, begin, end); });
+  run(param, t, dt, s);
 }
 
 void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -68,18 +95,7 @@ void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   t.exp_avg_sq = exp_avg_sq.data_ptr();
   t.max_exp_avg_sq = s.amsgrad ? ptr_or_null(max_exp_avg_sq) : nullptr;
   t.n = param.numel();
-  if (t.n == 0) return;
-  if (param.is_cuda()) {
-    TORCH_CHECK(kWithCuda,
-                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
-#ifdef DDPX_WITH_CUDA
-    const CudaLaunch launch(param);
-    kernels::adam_cuda(t, dt, s, launch.stream());
-#endif
-    return;
-  }
-  at::parallel_for(0, t.n, kGrain,
-                   [&](int64_t begin, int64_t end) { kernels::adam_cpu(t, dt, s, begin, end); });
+  run(param, t, dt, s);
 }
 
 }  // namespace ops
