@@ -81,6 +81,7 @@ void bind_powersgd(py::module& m);
 void bind_post_localsgd(py::module& m);
 void bind_averaging(py::module& m);
 void bind_kernels(py::module& m);
+void bind_functional_optim(py::module& m);
 
 }  // namespace python
 }  // namespace ddpx

@@ -19,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   ddpx::python::bind_post_localsgd(m);
   ddpx::python::bind_averaging(m);
   ddpx::python::bind_kernels(m);
+  ddpx::python::bind_functional_optim(m);
 }

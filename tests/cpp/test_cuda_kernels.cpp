@@ -1,4 +1,4 @@
-// Tests of the CUDA kernels in src/kernels/cast_cuda.h against the CPU kernels, bit for
+// Tests of the CUDA kernels in src/kernels/{cast,optim}_cuda.h against the CPU kernels, bit for
 // bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical NaNs).
 // Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
 #include <cuda_runtime_api.h>
@@ -17,6 +17,8 @@
 #include "cuda_test_utils.h"
 #include "kernels/cast.h"
 #include "kernels/cast_cuda.h"
+#include "kernels/optim.h"
+#include "kernels/optim_cuda.h"
 
 namespace {
 
@@ -251,6 +253,102 @@ TEST(CudaKernelApi, EmptyAndBadArguments) {
   EXPECT_THROW(
       k::scaled_cast_cuda(d.ptr, static_cast<DType>(9), d.ptr, DType::kFloat32, 4, 1.0f, nullptr),
       std::invalid_argument);
+}
+
+// ---- functional optimizers: the CUDA kernels run optim_inl.h's element functions, as the CPU
+// kernels do, so three steps on the GPU equal three on the CPU bit for bit ----------------------
+
+template <typename T>
+std::vector<T> random_values(int64_t n, uint32_t seed, bool positive) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<double> dist(0.0, 1.0);
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(positive ? std::fabs(dist(gen)) : dist(gen));
+  return v;
+}
+
+template <typename T>
+void expect_same_buffer(const std::vector<T>& cpu, const DeviceBuffer& dev, const char* what) {
+  std::vector<T> got(cpu.size());
+  DDPX_ASSERT_CUDA(cudaMemcpy(got.data(), dev.ptr, got.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&got[i], &cpu[i], sizeof(T)), 0)
+        << what << "[" << i << "]: " << got[i] << " vs " << cpu[i];
+  }
+}
+
+template <typename T>
+void upload(const std::vector<T>& v, const DeviceBuffer& d) {
+  if (d.ptr) cudaMemcpy(d.ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+}
+
+template <typename T>
+void check_optim_cuda(DType dt, bool adam, bool flags) {
+  const int64_t n = 100003;
+  auto p = random_values<T>(n, 1, false), g = random_values<T>(n, 2, false);
+  auto m = random_values<T>(n, 3, false), v = random_values<T>(n, 4, true);
+  auto vmax = random_values<T>(n, 5, true);
+  const size_t bytes = n * sizeof(T);
+  DeviceBuffer dp(bytes), dg(bytes), dm(bytes), dv(bytes), dvmax(bytes);
+  for (auto [h, d] : {std::make_pair(&p, &dp), std::make_pair(&g, &dg), std::make_pair(&m, &dm),
+                      std::make_pair(&v, &dv), std::make_pair(&vmax, &dvmax)}) {
+    upload(*h, *d);
+  }
+  ASSERT_TRUE(dp.ptr && dg.ptr && dm.ptr && dv.ptr && dvmax.ptr);
+  for (int step = 1; step <= 3; ++step) {
+    if (adam) {
+      k::AdamScalars s;
+      s.lr = 0.01;
+      s.beta1 = flags ? 0.3 : 0.9;
+      s.beta2 = 0.999;
+      s.eps = 1e-8;
+      s.weight_decay = 0.1;
+      s.amsgrad = flags;
+      s.maximize = flags;
+      s.decoupled_weight_decay = !flags;
+      s.formula = flags ? k::AdamFormula::kTorch1 : k::AdamFormula::kTorch2;
+      s.step_size = s.lr / (1 - std::pow(s.beta1, step));
+      s.bias_correction2_sqrt = std::sqrt(1 - std::pow(s.beta2, step));
+      k::AdamTensor h{p.data(), g.data(), m.data(), v.data(), vmax.data(), n};
+      k::AdamTensor d{dp.ptr, dg.ptr, dm.ptr, dv.ptr, dvmax.ptr, n};
+      k::adam_cpu(h, dt, s, 0, n);
+      k::adam_cuda(d, dt, s, nullptr);
+    } else {
+      k::SgdScalars s;
+      s.lr = 0.1;
+      s.momentum = 0.9;
+      s.dampening = flags ? 0.0 : 0.2;
+      s.weight_decay = 0.01;
+      s.nesterov = flags;
+      s.maximize = flags;
+      s.init_buffer = step == 1;
+      k::SgdTensor h{p.data(), g.data(), m.data(), n};
+      k::SgdTensor d{dp.ptr, dg.ptr, dm.ptr, n};
+      k::sgd_cpu(h, dt, s, 0, n);
+      k::sgd_cuda(d, dt, s, nullptr);
+    }
+  }
+  DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  expect_same_buffer(p, dp, "param");
+  expect_same_buffer(m, dm, adam ? "exp_avg" : "momentum_buffer");
+  if (adam) expect_same_buffer(v, dv, "exp_avg_sq");
+  if (adam && flags) expect_same_buffer(vmax, dvmax, "max_exp_avg_sq");
+}
+
+TEST(OptimCuda, SgdMatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  for (bool flags : {false, true}) {
+    check_optim_cuda<float>(DType::kFloat32, false, flags);
+    check_optim_cuda<double>(DType::kFloat64, false, flags);
+  }
+}
+
+TEST(OptimCuda, AdamMatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  for (bool flags : {false, true}) {
+    check_optim_cuda<float>(DType::kFloat32, true, flags);
+    check_optim_cuda<double>(DType::kFloat64, true, flags);
+  }
 }
 
 }  // namespace

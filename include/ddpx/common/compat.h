@@ -137,6 +137,11 @@ inline ProcessGroupPtr make_gloo_group(
 // Whether Gloo reduces bfloat16 (allreduce in the values' own dtype): not in torch 1.13.
 constexpr bool kGlooReducesBf16 = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
 
+// torch.optim.Adam/AdamW's single-tensor step (optim/functional.h follows it): 2.x updates
+// exp_avg with lerp_(grad, 1 - beta1) and takes sqrt(1 - beta2**step) as `** 0.5` (pow); 1.13
+// uses mul_(beta1).add_(grad, alpha=1 - beta1) and math.sqrt.
+constexpr bool kAdamLerpsExpAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
+
 // ---- DDP's Reducer ---------------------------------------------------------------------------
 
 // What c10d::Reducer's constructor takes, by name (its positional list changed across releases).
