@@ -54,9 +54,10 @@ def _powersgd_state(impl: str, group=None, **kw):
     return cls(process_group=group, **opts)
 
 
-def _post_local_state(impl: str, group=None):
+def _post_local_state(impl: str, group=None, subgroup=None):
     cls = ddpx.hooks.PostLocalSGDState if impl == "ddpx" else tpl.PostLocalSGDState
-    return cls(process_group=group, subgroup=_subgroup_of_one(), start_localSGD_iter=START)
+    return cls(process_group=group, subgroup=subgroup if subgroup is not None else _subgroup_of_one(),
+               start_localSGD_iter=START)
 
 
 class HookSpec:
@@ -74,13 +75,30 @@ class HookSpec:
         self.torch_available = torch_hook is not None and torch_works
         self.local_sgd = local_sgd      # a post-local-SGD hook: averaging is the averager's job
 
-    def make(self, impl: str, group=None) -> Tuple[Any, Callable]:
-        """(state, hook) on `group` (None: the default group)."""
-        state = self._state(impl, group) if self._state is not None else group
-        if impl == "ddpx":
-            return state, self._ddpx_hook()
+    def state(self, impl: str, group=None, **kwargs) -> Any:
+        """The hook state for impl "ddpx" or "torch" on `group` (None: the default group); the
+        group itself for the stateless hooks. kwargs: the post-local state's `subgroup`."""
+        return self._state(impl, group, **kwargs) if self._state is not None else group
+
+    def ddpx_hook(self) -> Callable:
+        return self._ddpx_hook()
+
+    def torch_reference(self) -> Callable:
+        """torch's hook as the suite runs it. torch's PowerSGD hooks run waited per bucket
+        (powersgd_cases.torch_synchronized): as shipped they issue collectives from future
+        callbacks and, with several buckets on Gloo, abort the process or hang without any fault
+        (in every such run made while writing these tests; none runs it). Where torch's batched hook
+        cannot run (both torches today), the reference is powersgd_cases.torch_batched_fixed_hook,
+        torch's algorithm with its crashing call fixed."""
+        import powersgd_cases as pc
+        if self.name == "batched_powerSGD" and not self.torch_available:
+            return pc.torch_batched_fixed_hook
         assert self.torch_available, f"torch has no working {self.name} here"
-        return state, self._torch_hook()
+        if self.name == "fp16_powerSGD":
+            return tdh.fp16_compress_wrapper(pc.torch_synchronized(tps.powerSGD_hook))
+        if not self.elementwise:
+            return pc.torch_synchronized(self._torch_hook())
+        return self._torch_hook()
 
 
 H = ddpx.hooks
@@ -117,17 +135,16 @@ def _torch_noop():
 IMPLS = ("torch", "ddpx_dropin", "ddpx_native")
 
 
-def register(ddp: DDP, spec: HookSpec, impl: str, group=None) -> Any:
-    """Registers `spec`'s hook on `ddp` as `impl`; returns the hook state.
+def impls_of(spec: HookSpec) -> List[str]:
+    """The implementations of `spec` that run here (torch's only where it works)."""
+    return [impl for impl in IMPLS if impl != "torch" or spec.torch_available]
 
-    torch's PowerSGD hooks are registered waited per bucket (powersgd_cases.torch_synchronized):
-    as shipped they issue collectives from future callbacks and, with several buckets on Gloo,
-    abort the process or hang without any fault (seen in 3 of 3 fault runs here, and 5 of 5
-    in powersgd_cases' runs); waited, they are the reference a user could actually run."""
-    state, hook = spec.make("torch" if impl == "torch" else "ddpx", group)
-    if impl == "torch" and not spec.elementwise:
-        from powersgd_cases import torch_synchronized
-        hook = torch_synchronized(hook)
+
+def register(ddp: DDP, spec: HookSpec, impl: str, group=None, **state_kwargs) -> Any:
+    """Registers `spec`'s hook on `ddp` as `impl` (torch's as HookSpec.torch_reference runs it)
+    with a state on `group`; returns the state."""
+    state = spec.state("torch" if impl == "torch" else "ddpx", group, **state_kwargs)
+    hook = spec.torch_reference() if impl == "torch" else spec.ddpx_hook()
     if impl == "ddpx_native":
         ddpx.register_comm_hook(ddp, state, hook)
     else:
@@ -219,8 +236,7 @@ def rank_fault(rank: int, world_size: int, hook: str, impl: str, fault: str,
                 exit_rank({"rank": rank, "role": "faulty"})
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         exit_rank({"rank": rank, "role": "survivor", "step": step_box[0],
-                   "elapsed": time.monotonic() - started, "outcome": outcome_of(exc),
-                   })
+                   "elapsed": time.monotonic() - started, "outcome": outcome_of(exc)})
     exit_rank({"rank": rank, "role": "survivor", "step": step_box[0], "elapsed": 0.0,
                "outcome": None})
 
@@ -341,9 +357,7 @@ def rank_nonfinite(rank: int, world_size: int, hook: str, kinds: Sequence[str]) 
     the state has it. Post-local SGD: parameters after the averager instead of gradients."""
     spec = HOOKS[hook]
     out: Dict[str, Any] = {}
-    for impl in IMPLS:
-        if impl == "torch" and not spec.torch_available:
-            continue
+    for impl in impls_of(spec):
         for kind in kinds:
             ddp = dc.make_ddp(dc.make_model(), "torch_none")
             state = register(ddp, spec, impl)
@@ -394,9 +408,7 @@ def rank_overflow(rank: int, world_size: int, hook: str,
     rank-1 approximation of the mean is exact up to rounding)."""
     spec = HOOKS[hook]
     out: Dict[str, Any] = {}
-    for impl in IMPLS:
-        if impl == "torch" and not spec.torch_available:
-            continue
+    for impl in impls_of(spec):
         for pair in pairs:
             ddp = dc.make_ddp(dc.make_model(), "torch_none")
             register(ddp, spec, impl)
@@ -581,34 +593,8 @@ def any_failed(groups: OptionGroups, failed: bool) -> bool:
     return flag.item() > 0
 
 
-def _ref_hook(hook: str) -> Callable:
-    """torch's hook as the reference (PowerSGD hooks waited for, see above)."""
-    import powersgd_cases as pc
-    spec = HOOKS[hook]
-    if hook == "batched_powerSGD" and not spec.torch_available:
-        return pc.torch_batched_fixed_hook
-    if hook in ("powerSGD", "batched_powerSGD"):
-        return pc.torch_synchronized(spec._torch_hook())
-    if hook == "fp16_powerSGD":
-        return tdh.fp16_compress_wrapper(pc.torch_synchronized(tps.powerSGD_hook))
-    return spec._torch_hook()
-
-
 def ref_available(hook: str) -> bool:
     return HOOKS[hook].torch_available or hook == "batched_powerSGD"
-
-
-def _option_state(hook: str, impl: str, group, groups: OptionGroups):
-    spec = HOOKS[hook]
-    ddpx_impl = impl.startswith("ddpx")
-    if spec._state is None:
-        return group
-    if spec.local_sgd:
-        cls = ddpx.hooks.PostLocalSGDState if ddpx_impl else tpl.PostLocalSGDState
-        return cls(process_group=group, subgroup=groups.one, start_localSGD_iter=START)
-    cls = ddpx.hooks.PowerSGDState if ddpx_impl else tps.PowerSGDState
-    return cls(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=START,
-               min_compression_rate=1.5)
 
 
 def _register_option(ddp: DDP, hook: str, impl: str, group, groups: OptionGroups,
@@ -621,14 +607,8 @@ def _register_option(ddp: DDP, hook: str, impl: str, group, groups: OptionGroups
             return tdh.allreduce_hook(state, bucket)
         ddp.register_comm_hook(group, probe)
         return group
-    state = _option_state(hook, impl, group, groups)
-    if impl == "torch":
-        ddp.register_comm_hook(state, _ref_hook(hook))
-    elif impl == "ddpx_dropin":
-        ddp.register_comm_hook(state, HOOKS[hook]._ddpx_hook())
-    else:
-        ddpx.register_comm_hook(ddp, state, HOOKS[hook]._ddpx_hook())
-    return state
+    spec = HOOKS[hook]
+    return register(ddp, spec, impl, group, **({"subgroup": groups.one} if spec.local_sgd else {}))
 
 
 def _option_averager(hook: str, impl: str, group):

@@ -31,8 +31,7 @@ SLACK_S = 15.0
 
 
 def _impl_cases(hooks=tuple(ac.HOOKS)):
-    return [(h, impl) for h in hooks for impl in ac.IMPLS
-            if impl != "torch" or ac.HOOKS[h].torch_available]
+    return [(h, impl) for h in hooks for impl in ac.impls_of(ac.HOOKS[h])]
 
 
 # ---- faults -------------------------------------------------------------------------------------
@@ -271,7 +270,7 @@ def test_batched_powersgd_past_fp16_range():
     is no closed form here: the result is identical on every rank and either finite (up to
     2e5) or inf/NaN everywhere (3e38); a zero mean gives exact zeros."""
     res = overflow("batched_powerSGD")
-    for impl in [i for h, i in _impl_cases(("batched_powerSGD",))]:
+    for impl in ac.impls_of(ac.HOOKS["batched_powerSGD"]):
         for a, b in ac.OVERFLOW_PAIRS:
             got = [r[f"{impl}/{(a, b)}"] for r in res]
             assert torch.equal(torch.nan_to_num(got[0]), torch.nan_to_num(got[1]))
