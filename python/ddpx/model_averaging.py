@@ -105,19 +105,23 @@ def average_parameters_or_parameter_groups(params: Params, process_group: Any,
     return average_parameters(get_params_to_average(params), process_group, bucket_cap_mb)
 
 
-def _native_or_own(name: str, doc: str, check=None) -> property:
+_UNSET = object()
+
+
+def _native_or_own(name: str, doc: str, check=None, default: Any = _UNSET) -> property:
     """An averager attribute read from the native averager (``self._cpp``), or, in a subclass
     without one (a custom averager written against torch's ``ModelAverager``), kept in the
-    instance as a plain attribute, as torch's."""
+    instance as a plain attribute, as torch's (``default`` until first set: torch's base sets
+    ``step = 0``)."""
     own = "_own_" + name
 
     def getter(self):
         if self._cpp is None:
-            try:
-                return self.__dict__[own]
-            except KeyError:
+            value = self.__dict__.get(own, default)
+            if value is _UNSET:
                 raise AttributeError(
-                    f"{type(self).__name__!r} object has no attribute {name!r}") from None
+                    f"{type(self).__name__!r} object has no attribute {name!r}")
+            return value
         return getattr(self._cpp, name)
 
     def setter(self, value):
@@ -140,11 +144,9 @@ class ModelAverager(ABC):
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._warmup_checked = False
-        if self._cpp is None:
-            self.step = 0
 
     step = _native_or_own(
-        "step", doc="Steps counted so far (one per :meth:`average_parameters` call).")
+        "step", doc="Steps counted so far (one per :meth:`average_parameters` call).", default=0)
     last_stats = native_property(
         "last_stats", readonly=True,
         doc="What the last :meth:`average_parameters` call did (all zeros if it did not average).")
