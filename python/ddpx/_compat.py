@@ -94,3 +94,46 @@ def record_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
     hooks = getattr(ddp_model, "_comm_hooks", None)
     if isinstance(hooks, list):
         hooks.append((hook, state))
+
+
+# ---- torch.optim internals read by ddpx.optim.ZeroRedundancyOptimizer ---------------------------
+
+def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step pre/post hooks are registered on ``optimizer`` or globally (2.x's
+    ``register_step_pre_hook`` / ``register_optimizer_step_pre_hook``; 1.13 has none). ZeRO's fused
+    step runs the local optimizer's arithmetic without calling its ``step``, so it steps aside when
+    a hook expects that call."""
+    for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if getattr(optimizer, attr, None):
+            return True
+    import torch.optim.optimizer as optimizer_module
+    for attr in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        if getattr(optimizer_module, attr, None):
+            return True
+    return False
+
+
+_SGD_NONE_BUFFER: List[bool] = []
+
+
+def sgd_stores_none_momentum_buffer() -> bool:
+    """Whether ``torch.optim.SGD`` without momentum writes ``state['momentum_buffer'] = None`` for
+    every stepped parameter (seen in 1.13) or leaves the state empty (seen in 2.11). Found by
+    stepping a one-element SGD once; the answer is cached."""
+    if not _SGD_NONE_BUFFER:
+        p = torch.zeros(1, requires_grad=True)
+        p.grad = torch.zeros(1)
+        opt = torch.optim.SGD([p], lr=0.1)
+        opt.step()
+        _SGD_NONE_BUFFER.append("momentum_buffer" in opt.state[p])
+    return _SGD_NONE_BUFFER[0]
+
+
+def functional_optimizer_classes() -> tuple:
+    """torch's functional optimizer classes (``torch.distributed.optim.utils.functional_optim_map``
+    values), which only ``overlap_with_ddp=True`` accepts."""
+    try:
+        from torch.distributed.optim.utils import functional_optim_map
+    except ImportError:  # pragma: no cover
+        return ()
+    return tuple(functional_optim_map.values())

@@ -1,12 +1,14 @@
-"""Distributed optimizers: torch's ``torch.distributed.optim.PostLocalSGDOptimizer``, over ddpx's
-native model averagers."""
+"""Distributed optimizers: torch's ``torch.distributed.optim.PostLocalSGDOptimizer`` over ddpx's
+native model averagers, and ``ZeroRedundancyOptimizer`` over ddpx's ZeRO engine."""
 import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
-__all__ = ["PostLocalSGDOptimizer"]
+from ._zero import ZeroRedundancyOptimizer
+
+__all__ = ["PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"]
 
 
 def _torch_zero_grad_default() -> bool:

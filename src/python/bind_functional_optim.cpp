@@ -17,37 +17,6 @@ namespace ddpx {
 namespace python {
 namespace {
 
-// A sequence of tensors or None (None: undefined), with a TypeError naming the argument.
-std::vector<at::Tensor> tensor_list(const py::handle& seq, const char* arg) {
-  if (!py::isinstance<py::sequence>(seq)) {
-    throw py::type_error(std::string(arg) + " must be a list of tensors");
-  }
-  std::vector<at::Tensor> out;
-  for (const py::handle& item : py::reinterpret_borrow<py::sequence>(seq)) {
-    if (item.is_none()) {
-      out.emplace_back();
-    } else if (THPVariable_Check(item.ptr())) {
-      out.push_back(THPVariable_Unpack(item.ptr()));
-    } else {
-      throw py::type_error(std::string(arg) + " must hold tensors or None, got " +
-                           Py_TYPE(item.ptr())->tp_name);
-    }
-  }
-  return out;
-}
-
-py::list to_py(const std::vector<at::Tensor>& v) {
-  py::list out;
-  for (const at::Tensor& t : v) {
-    if (t.defined()) {
-      out.append(py::cast(t));
-    } else {
-      out.append(py::none());
-    }
-  }
-  return out;
-}
-
 optim::SGDOptions sgd_options(double lr, double momentum, double dampening, double weight_decay,
                               bool nesterov, bool maximize) {
   optim::SGDOptions o;

@@ -42,5 +42,35 @@ ProcessGroupPtr optional_group(const py::object& obj) {
 
 py::object group_or_none(const ProcessGroupPtr& pg) { return pg ? py::cast(pg) : py::none(); }
 
+std::vector<at::Tensor> tensor_list(const py::handle& seq, const char* arg) {
+  if (!py::isinstance<py::sequence>(seq)) {
+    throw py::type_error(std::string(arg) + " must be a list of tensors");
+  }
+  std::vector<at::Tensor> out;
+  for (const py::handle& item : py::reinterpret_borrow<py::sequence>(seq)) {
+    if (item.is_none()) {
+      out.emplace_back();
+    } else if (THPVariable_Check(item.ptr())) {
+      out.push_back(THPVariable_Unpack(item.ptr()));
+    } else {
+      throw py::type_error(std::string(arg) + " must hold tensors or None, got " +
+                           Py_TYPE(item.ptr())->tp_name);
+    }
+  }
+  return out;
+}
+
+py::list to_py(const std::vector<at::Tensor>& tensors) {
+  py::list out;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined()) {
+      out.append(py::cast(t));
+    } else {
+      out.append(py::none());
+    }
+  }
+  return out;
+}
+
 }  // namespace python
 }  // namespace ddpx

@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace ddpx {
 namespace python {
@@ -42,6 +43,11 @@ at::ScalarType to_dtype(const py::handle& obj, const char* arg);
 // None -> null (no group / not a member); a ProcessGroup otherwise.
 ProcessGroupPtr optional_group(const py::object& obj);
 py::object group_or_none(const ProcessGroupPtr& pg);
+
+// A sequence of tensors or None (None: an undefined tensor), with a TypeError naming `arg`.
+std::vector<at::Tensor> tensor_list(const py::handle& seq, const char* arg);
+// The reverse: undefined tensors become None.
+py::list to_py(const std::vector<at::Tensor>& tensors);
 
 // Runs f with C++ warnings (TORCH_WARN) turned into Python warnings.
 template <typename F>
@@ -82,6 +88,7 @@ void bind_post_localsgd(py::module& m);
 void bind_averaging(py::module& m);
 void bind_kernels(py::module& m);
 void bind_functional_optim(py::module& m);
+void bind_zero(py::module& m);
 
 }  // namespace python
 }  // namespace ddpx

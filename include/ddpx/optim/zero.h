@@ -1,0 +1,208 @@
+// ZeRO stage 1 (torch.distributed.optim.ZeroRedundancyOptimizer): the optimizer state is sharded
+// across the ranks of a group. Each rank owns a subset of the parameters (torch's sorted-greedy
+// partition: whole tensors), updates only those, and the ranks then exchange the updated values
+// so that every replica holds the same parameters.
+//
+// Two layers:
+// - ZeroShards: the engine. The partition, the optional flat bucket views of the parameters
+//   (parameters_as_bucket_view), the parameter exchange and the bulk state gather to one rank.
+//   The Python class ddpx.optim.ZeroRedundancyOptimizer runs on it, and so does:
+// - ZeroRedundancyOptimizer: the C++ class for libtorch programs, over any torch::optim
+//   optimizer built by a factory for this rank's shard.
+//
+// The exchange is a broadcast from each owner, chunk by chunk (at most bucket_cap_bytes of
+// small parameters packed per chunk; a large contiguous parameter, or a bucket-view slice, goes in
+// its own storage without a copy). Chunks go in rounds: round k carries every rank's k-th chunk,
+// and a rank's own chunk k is updated (ChunkUpdate) just before round k starts, so the
+// broadcasts of round k run while chunk k+1 is being updated. At most two rounds of staging
+// memory are alive at once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <ddpx/comm/bucketed.h>
+#include <ddpx/common/process_group.h>
+#include <ddpx/optim/functional.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace ddpx {
+namespace optim {
+
+// torch's partition: the parameters of each group, largest first (stable for equal sizes), each
+// to the rank with the fewest elements so far (the lowest such rank); the running totals carry
+// over from one group to the next. numels[g][i] is the element count of group g's parameter i;
+// the result has the same shape and holds each parameter's owning rank. world_size must be
+// positive (c10::ValueError otherwise).
+std::vector<std::vector<int64_t>> partition_sorted_greedy(
+    const std::vector<std::vector<int64_t>>& numels, int64_t world_size);
+
+struct ZeroOptions {
+  // true: each rank's trainable parameters (per device) are packed into one flat tensor and
+  // every such parameter's data becomes a view of it (torch's parameters_as_bucket_view).
+  bool parameters_as_bucket_view = false;
+  // Exchange granularity: small parameters are packed into chunks of at most this many bytes,
+  // and a contiguous parameter of at least a quarter of it travels in its own storage.
+  int64_t bucket_cap_bytes = comm::kDefaultBucketBytes;
+};
+
+// What one exchange did (tests and benchmarks).
+struct ZeroExchangeStats {
+  int64_t rounds = 0;
+  int64_t broadcasts = 0;
+  int64_t inplace_broadcasts = 0;  // broadcasts of a parameter's or bucket's own storage
+  int64_t staged_bytes = 0;        // bytes copied through staging buffers on this rank
+};
+
+class ZeroShards {
+ public:
+  // Runs on this rank's thread with the indices (into params()) of one chunk of this rank's
+  // parameters, before that chunk is sent. Must update exactly those parameters' values (in
+  // place) and leave the others alone.
+  using ChunkUpdate = std::function<void(const std::vector<int64_t>& param_indices)>;
+
+  // params: every parameter of the optimizer, in its global order (all dense, one dtype and one
+  // device type); owners[i]: the group rank that updates params[i] (e.g. from
+  // partition_sorted_greedy); trainable[i]: params[i] requires a gradient. Every rank of `pg`
+  // must construct it alike. With parameters_as_bucket_view, the parameters' data become views
+  // of the buckets (their values kept). Raises c10::ValueError for bad arguments.
+  ZeroShards(std::vector<at::Tensor> params, std::vector<int64_t> owners,
+             std::vector<bool> trainable, ProcessGroupPtr pg, ZeroOptions options = {});
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  const ProcessGroupPtr& process_group() const { return pg_; }
+  const ZeroOptions& options() const { return options_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<int64_t>& owners() const { return owners_; }
+  // Indices of the parameters `rank` owns, in global order.
+  std::vector<int64_t> owned_by(int64_t rank) const;
+
+  // Lays the exchange out again for a new trainability mask (torch rebuilds its buckets when
+  // requires_grad changes): bucket views are rebuilt (a parameter no longer trainable gets a
+  // private copy of its values), chunks re-planned.
+  void rebuild(std::vector<bool> trainable);
+
+  // parameters_as_bucket_view: buckets()[d][r] is rank r's flat bucket on the d-th device (in
+  // order of first appearance); a one-element zero tensor where r has no trainable parameter
+  // there, as torch. Empty otherwise.
+  const std::vector<std::vector<at::Tensor>>& buckets() const { return buckets_; }
+
+  // Every parameter takes its owner's values (torch exchanges the trainable ones with bucket
+  // views, all of them otherwise). With `update`, this rank's parameters are updated chunk by
+  // chunk as described above; the owned parameters in no chunk (not trainable, with bucket
+  // views) are passed to one call first. Blocks until done. Every rank must call it.
+  ZeroExchangeStats exchange(const ChunkUpdate& update = nullptr);
+
+  // Gathers each rank's `tensors` (dense; any dtype, shapes and count per rank) to group rank
+  // `to`, in bulk: each other rank sends one buffer (its tensors packed) straight to `to`, and
+  // no third rank sends or receives anything. On `to`, result[r] holds rank r's tensors
+  // (result[to] is `tensors` itself; the others are views of one received buffer per rank, on
+  // `device`); elsewhere the result is empty. Every rank must call it. `device` is where the
+  // bytes travel (the group's device: CPU for Gloo, CUDA for NCCL).
+  std::vector<std::vector<at::Tensor>> gather(int64_t to, const std::vector<at::Tensor>& tensors,
+                                              const c10::Device& device) const;
+
+ private:
+  struct Chunk {
+    int64_t owner = 0;
+    std::vector<int64_t> params;  // indices into params_, in packing order
+    int64_t numel = 0;            // elements in all
+    // The chunk's own storage when it has one: a slice of a bucket (bucket views), or -1 with
+    // `own_param` >= 0: that parameter's storage, flattened at exchange time.
+    at::Tensor bucket_slice;
+    int64_t own_param = -1;
+    c10::Device device = c10::Device(c10::kCPU);
+  };
+  struct Round;
+
+  void build_buckets();
+  void plan();
+  at::Tensor data(int64_t index) const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<int64_t> owners_;
+  std::vector<bool> trainable_;
+  ProcessGroupPtr pg_;
+  ZeroOptions options_;
+  int64_t rank_ = 0;
+  int64_t world_size_ = 1;
+  std::vector<std::vector<at::Tensor>> buckets_;
+  std::vector<std::vector<Chunk>> chunks_;  // chunks_[r]: rank r's chunks, in send order
+  std::vector<int64_t> unchunked_;          // this rank's parameters in no chunk
+};
+
+// The shard's update fused with the exchange: ddpx's functional SGD / Adam / AdamW
+// (optim/functional.h) run chunk by chunk as the ChunkUpdate, so each chunk's broadcast starts as
+// soon as it is updated. A group lists the parameters (indices into shards.params()) of one
+// parameter group that this rank owns, with their gradients (an undefined gradient skips its
+// parameter, as torch skips a None .grad) and their state, updated in place; options may differ
+// between groups.
+struct ZeroSGDGroup {
+  std::vector<int64_t> params;
+  std::vector<at::Tensor> grads;
+  // One per parameter; an undefined one is created on the parameter's first step (with
+  // momentum) and the vector then holds it.
+  std::vector<at::Tensor> momentum_buffers;
+  SGDOptions options;
+};
+
+struct ZeroAdamGroup {
+  std::vector<int64_t> params;
+  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> exp_avgs, exp_avg_sqs, max_exp_avg_sqs;  // max_: with amsgrad only
+  // One 0-dim tensor per parameter (torch's state["step"]), incremented in place.
+  std::vector<at::Tensor> steps;
+  AdamOptions options;
+  bool decoupled_weight_decay = false;  // AdamW
+};
+
+ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups);
+ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups);
+
+// ZeroRedundancyOptimizer for C++ programs: the parameter groups are partitioned as torch
+// partitions them, `make_local` builds this rank's optimizer over its share of each group (a
+// group whose share is empty is passed empty, so group indices match), and step() runs it and
+// exchanges the parameters.
+//
+//   auto zero = ddpx::optim::ZeroRedundancyOptimizer(
+//       {torch::optim::OptimizerParamGroup(model->parameters())},
+//       [](std::vector<torch::optim::OptimizerParamGroup> groups) {
+//         return std::make_shared<torch::optim::Adam>(std::move(groups),
+//                                                     torch::optim::AdamOptions(1e-3));
+//       },
+//       pg);
+//   zero.zero_grad(); loss.backward(); zero.step();
+class ZeroRedundancyOptimizer {
+ public:
+  using LocalFactory = std::function<std::shared_ptr<torch::optim::Optimizer>(
+      std::vector<torch::optim::OptimizerParamGroup>)>;
+
+  ZeroRedundancyOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                          const LocalFactory& make_local, ProcessGroupPtr pg,
+                          ZeroOptions options = {});
+
+  // The local optimizer's step on this rank's shard (with the closure, if any), then the
+  // exchange. Returns the closure's loss (undefined without one). Every rank must call it.
+  at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr);
+  // Every parameter's gradient (not only the shard's): dropped, or zeroed with false.
+  void zero_grad(bool set_to_none = true);
+
+  torch::optim::Optimizer& local() { return *local_; }
+  const std::shared_ptr<torch::optim::Optimizer>& local_ptr() const { return local_; }
+  const ZeroShards& shards() const { return *shards_; }
+  // Every parameter, in the groups' order, and the rank that owns each.
+  const std::vector<at::Tensor>& params() const { return shards_->params(); }
+  int64_t owner_of(size_t index) const { return shards_->owners().at(index); }
+
+ private:
+  std::shared_ptr<torch::optim::Optimizer> local_;
+  std::unique_ptr<ZeroShards> shards_;
+};
+
+}  // namespace optim
+}  // namespace ddpx

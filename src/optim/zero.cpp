@@ -1,0 +1,617 @@
+// ZeRO stage 1: partition, bucket views, parameter exchange, state gather. See
+// include/ddpx/optim/zero.h.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <ddpx/optim/zero.h>
+
+#include <algorithm>
+#include <deque>
+#include <numeric>
+#include <unordered_map>
+#include <utility>
+
+namespace ddpx {
+namespace optim {
+
+std::vector<std::vector<int64_t>> partition_sorted_greedy(
+    const std::vector<std::vector<int64_t>>& numels, int64_t world_size) {
+  TORCH_CHECK_VALUE(world_size > 0, "partition_sorted_greedy: world_size must be positive, got ",
+                    world_size);
+  std::vector<int64_t> totals(static_cast<size_t>(world_size), 0);
+  std::vector<std::vector<int64_t>> owners;
+  owners.reserve(numels.size());
+  for (const auto& group : numels) {
+    std::vector<size_t> order(group.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    // Python's sorted(..., reverse=True) keeps equal sizes in their original order.
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return group[a] > group[b]; });
+    std::vector<int64_t> owner(group.size(), 0);
+    for (size_t i : order) {
+      const auto least = std::min_element(totals.begin(), totals.end());  // first minimum
+      owner[i] = least - totals.begin();
+      *least += group[i];
+    }
+    owners.push_back(std::move(owner));
+  }
+  return owners;
+}
+
+namespace {
+
+constexpr int64_t kGatherAlign = 64;  // bytes; every packed tensor starts at a multiple
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+int64_t align_up(int64_t n) { return (n + kGatherAlign - 1) / kGatherAlign * kGatherAlign; }
+
+// A 1-D byte view of `values` (contiguous) as Broadcast sends it.
+c10::intrusive_ptr<c10d::Work> start_broadcast(c10d::ProcessGroup& pg, const at::Tensor& values,
+                                               int64_t root) {
+  return comm::Broadcast(root).start(pg, values);
+}
+
+// `bytes` (a 1-D byte tensor) from `offset` seen as a tensor of `dtype` and `sizes`.
+at::Tensor typed_view(const at::Tensor& bytes, int64_t offset, at::ScalarType dtype,
+                      at::IntArrayRef sizes) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const int64_t n = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  return bytes.narrow(0, offset, n).view(dtype).view(sizes);
+}
+
+}  // namespace
+
+// ---- ZeroShards ------------------------------------------------------------------------------
+
+ZeroShards::ZeroShards(std::vector<at::Tensor> params, std::vector<int64_t> owners,
+                       std::vector<bool> trainable, ProcessGroupPtr pg, ZeroOptions options)
+    : params_(std::move(params)),
+      owners_(std::move(owners)),
+      trainable_(std::move(trainable)),
+      pg_(std::move(pg)),
+      options_(options) {
+  TORCH_CHECK_VALUE(pg_,
+                    "ZeroRedundancyOptimizer: process_group is null (this rank is not a "
+                    "member of the group)");
+  TORCH_CHECK_VALUE(!params_.empty(), "ZeroRedundancyOptimizer got an empty parameter list");
+  TORCH_CHECK_VALUE(owners_.size() == params_.size() && trainable_.size() == params_.size(),
+                    "ZeroShards: owners and trainable must have one entry per parameter (",
+                    params_.size(), "), got ", owners_.size(), " and ", trainable_.size());
+  TORCH_CHECK_VALUE(options_.bucket_cap_bytes > 0,
+                    "ZeroRedundancyOptimizer: bucket_cap_bytes must be positive, got ",
+                    options_.bucket_cap_bytes);
+  rank_ = pg_->getRank();
+  world_size_ = pg_->getSize();
+  const at::Tensor& first = params_.front();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    TORCH_CHECK_VALUE(p.defined(), "ZeroRedundancyOptimizer: parameter ", i, " is undefined");
+    TORCH_CHECK_VALUE(p.layout() == c10::kStrided,
+                      "ZeroRedundancyOptimizer only supports dense parameters; parameter ", i,
+                      " is ", p.layout());
+    TORCH_CHECK_VALUE(
+        p.scalar_type() == first.scalar_type() && p.device().type() == first.device().type(),
+        "ZeroRedundancyOptimizer only supports parameters of one dense type; "
+        "parameter 0 is ",
+        first.toString(), ", parameter ", i, " is ", p.toString());
+    TORCH_CHECK_VALUE(owners_[i] >= 0 && owners_[i] < world_size_, "ZeroShards: owner ", owners_[i],
+                      " of parameter ", i, " is not a rank of a group of ", world_size_);
+  }
+  build_buckets();
+  plan();
+}
+
+std::vector<int64_t> ZeroShards::owned_by(int64_t rank) const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] == rank) out.push_back(static_cast<int64_t>(i));
+  }
+  return out;
+}
+
+void ZeroShards::rebuild(std::vector<bool> trainable) {
+  TORCH_CHECK_VALUE(trainable.size() == params_.size(), "ZeroShards::rebuild: ", params_.size(),
+                    " entries expected, got ", trainable.size());
+  trainable_ = std::move(trainable);
+  build_buckets();
+  plan();
+}
+
+at::Tensor ZeroShards::data(int64_t index) const { return params_[index].detach(); }
+
+void ZeroShards::build_buckets() {
+  buckets_.clear();
+  if (!options_.parameters_as_bucket_view) return;
+  at::NoGradGuard no_grad;
+  std::vector<c10::Device> devices;
+  for (const at::Tensor& p : params_) {
+    if (std::find(devices.begin(), devices.end(), p.device()) == devices.end()) {
+      devices.push_back(p.device());
+    }
+  }
+  for (const c10::Device& device : devices) {
+    std::vector<at::Tensor> per_rank;
+    for (int64_t r = 0; r < world_size_; ++r) {
+      int64_t size = 0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (owners_[i] != r || params_[i].device() != device) continue;
+        if (trainable_[i]) {
+          size += params_[i].numel();
+        } else {
+          // A private copy: the parameter may still be a view of an old bucket.
+          params_[i].set_data(data(static_cast<int64_t>(i)).clone());
+        }
+      }
+      if (size == 0) {
+        per_rank.push_back(at::zeros({1}, at::TensorOptions().device(device)));
+        continue;
+      }
+      at::Tensor bucket = at::empty(
+          {size}, at::TensorOptions().dtype(params_.front().scalar_type()).device(device));
+      int64_t offset = 0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (owners_[i] != r || params_[i].device() != device || !trainable_[i]) continue;
+        const at::Tensor values = data(static_cast<int64_t>(i));
+        at::Tensor view = bucket.narrow(0, offset, values.numel()).view(values.sizes());
+        view.copy_(values);
+        params_[i].set_data(view);
+        offset += values.numel();
+      }
+      per_rank.push_back(bucket);
+    }
+    buckets_.push_back(std::move(per_rank));
+  }
+}
+
+void ZeroShards::plan() {
+  chunks_.assign(static_cast<size_t>(world_size_), {});
+  unchunked_.clear();
+  const int64_t cap = options_.bucket_cap_bytes;
+  for (int64_t r = 0; r < world_size_; ++r) {
+    std::vector<Chunk>& chunks = chunks_[r];
+    if (options_.parameters_as_bucket_view) {
+      for (const auto& per_rank : buckets_) {
+        const at::Tensor& bucket = per_rank[r];
+        const c10::Device device = bucket.device();
+        const int64_t elem = static_cast<int64_t>(bucket.element_size());
+        Chunk open;
+        open.owner = r;
+        open.device = device;
+        int64_t start = 0;
+        auto close = [&]() {
+          if (open.params.empty()) return;
+          open.bucket_slice = bucket.narrow(0, start, open.numel);
+          start += open.numel;
+          chunks.push_back(open);
+          open.params.clear();
+          open.numel = 0;
+          open.bucket_slice = at::Tensor();
+        };
+        for (size_t i = 0; i < params_.size(); ++i) {
+          if (owners_[i] != r || params_[i].device() != device || !trainable_[i]) continue;
+          const int64_t n = params_[i].numel();
+          if (!open.params.empty() && (open.numel + n) * elem > cap) close();
+          open.params.push_back(static_cast<int64_t>(i));
+          open.numel += n;
+        }
+        close();
+      }
+      if (r == rank_) {
+        for (size_t i = 0; i < params_.size(); ++i) {
+          if (owners_[i] == r && !trainable_[i]) unchunked_.push_back(static_cast<int64_t>(i));
+        }
+      }
+      continue;
+    }
+    // Parameters in their own storage where large and contiguous; the rest packed per device.
+    std::vector<Chunk> open;  // one per device, in order of first appearance
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (owners_[i] != r) continue;
+      const at::Tensor& p = params_[i];
+      const int64_t bytes = nbytes(p);
+      if (bytes == 0) {
+        if (r == rank_) unchunked_.push_back(static_cast<int64_t>(i));
+        continue;
+      }
+      if (p.is_contiguous() && bytes * 4 >= cap) {
+        Chunk own;
+        own.owner = r;
+        own.params = {static_cast<int64_t>(i)};
+        own.numel = p.numel();
+        own.own_param = static_cast<int64_t>(i);
+        own.device = p.device();
+        chunks.push_back(std::move(own));
+        continue;
+      }
+      auto it = std::find_if(open.begin(), open.end(),
+                             [&](const Chunk& c) { return c.device == p.device(); });
+      if (it == open.end()) {
+        Chunk fresh;
+        fresh.owner = r;
+        fresh.device = p.device();
+        open.push_back(std::move(fresh));
+        it = open.end() - 1;
+      }
+      if (!it->params.empty() &&
+          (it->numel * static_cast<int64_t>(p.element_size()) + bytes) > cap) {
+        chunks.push_back(std::move(*it));
+        it->params.clear();
+        it->numel = 0;
+      }
+      it->params.push_back(static_cast<int64_t>(i));
+      it->numel += p.numel();
+    }
+    for (Chunk& c : open) {
+      if (!c.params.empty()) chunks.push_back(std::move(c));
+    }
+  }
+}
+
+struct ZeroShards::Round {
+  struct Item {
+    const Chunk* chunk;
+    at::Tensor staged;  // defined: values went through this buffer
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::vector<Item> items;
+};
+
+ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
+  ZeroExchangeStats stats;
+  at::NoGradGuard no_grad;
+  if (update && !unchunked_.empty()) update(unchunked_);
+  size_t rounds = 0;
+  for (const auto& chunks : chunks_) rounds = std::max(rounds, chunks.size());
+  const std::vector<Chunk>& mine = chunks_[rank_];
+  if (world_size_ == 1) {
+    if (update) {
+      for (const Chunk& c : mine) update(c.params);
+    }
+    stats.rounds = static_cast<int64_t>(rounds);
+    return stats;
+  }
+  const at::ScalarType dtype = params_.front().scalar_type();
+  auto finish = [&](Round& round) {
+    for (Round::Item& item : round.items) {
+      item.work->wait();
+      if (!item.staged.defined() || item.chunk->owner == rank_) continue;
+      int64_t offset = 0;
+      for (int64_t i : item.chunk->params) {
+        at::Tensor dst = data(i);
+        dst.copy_(item.staged.narrow(0, offset, dst.numel()).view(dst.sizes()));
+        offset += dst.numel();
+      }
+    }
+  };
+  std::deque<Round> in_flight;
+  for (size_t k = 0; k < rounds; ++k) {
+    if (update && k < mine.size()) update(mine[k].params);
+    Round round;
+    for (int64_t r = 0; r < world_size_; ++r) {
+      if (k >= chunks_[r].size()) continue;
+      const Chunk& chunk = chunks_[r][k];
+      Round::Item item{&chunk, at::Tensor(), {}};
+      at::Tensor values;
+      if (chunk.bucket_slice.defined()) {
+        values = chunk.bucket_slice;
+        ++stats.inplace_broadcasts;
+      } else if (chunk.own_param >= 0) {
+        values = data(chunk.own_param);
+        TORCH_CHECK(values.is_contiguous(), "ZeroRedundancyOptimizer: parameter ", chunk.own_param,
+                    " stopped being contiguous after construction");
+        values = values.view(-1);
+        ++stats.inplace_broadcasts;
+      } else {
+        values = at::empty({chunk.numel}, at::TensorOptions().dtype(dtype).device(chunk.device));
+        if (r == rank_) {
+          int64_t offset = 0;
+          for (int64_t i : chunk.params) {
+            const at::Tensor src = data(i);
+            values.narrow(0, offset, src.numel()).view(src.sizes()).copy_(src);
+            offset += src.numel();
+          }
+        }
+        item.staged = values;
+        stats.staged_bytes += nbytes(values);
+      }
+      item.work = start_broadcast(*pg_, values, r);
+      ++stats.broadcasts;
+      round.items.push_back(std::move(item));
+    }
+    in_flight.push_back(std::move(round));
+    if (in_flight.size() > 1) {
+      finish(in_flight.front());
+      in_flight.pop_front();
+    }
+  }
+  while (!in_flight.empty()) {
+    finish(in_flight.front());
+    in_flight.pop_front();
+  }
+  stats.rounds = static_cast<int64_t>(rounds);
+  return stats;
+}
+
+std::vector<std::vector<at::Tensor>> ZeroShards::gather(int64_t to,
+                                                        const std::vector<at::Tensor>& tensors,
+                                                        const c10::Device& device) const {
+  TORCH_CHECK_VALUE(to >= 0 && to < world_size_, "consolidate_state_dict: to=", to,
+                    " is not a rank of a group of ", world_size_);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].defined() && tensors[i].layout() == c10::kStrided,
+                      "ZeroShards::gather: tensor ", i, " is undefined or not dense");
+  }
+  std::vector<std::vector<at::Tensor>> result;
+  if (rank_ == to) result.resize(static_cast<size_t>(world_size_));
+  if (world_size_ == 1) {
+    result[0] = tensors;
+    return result;
+  }
+  at::NoGradGuard no_grad;
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const int tag = 0;
+  auto send = [&](at::Tensor t) {
+    std::vector<at::Tensor> v{std::move(t)};
+    pg_->send(v, static_cast<int>(to), tag)->wait();
+  };
+  auto recv = [&](at::Tensor t, int64_t src) {
+    std::vector<at::Tensor> v{std::move(t)};
+    pg_->recv(v, static_cast<int>(src), tag)->wait();
+  };
+  if (rank_ != to) {
+    // Header: count, total bytes, then per tensor dtype, dim, sizes..., byte offset.
+    std::vector<int64_t> header{static_cast<int64_t>(tensors.size()), 0};
+    int64_t total = 0;
+    std::vector<int64_t> offsets;
+    for (const at::Tensor& t : tensors) {
+      header.push_back(static_cast<int64_t>(t.scalar_type()));
+      header.push_back(t.dim());
+      for (int64_t s : t.sizes()) header.push_back(s);
+      header.push_back(total);
+      offsets.push_back(total);
+      total = align_up(total + nbytes(t));
+    }
+    header[1] = total;
+    at::Tensor buffer = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      typed_view(buffer, offsets[i], tensors[i].scalar_type(), tensors[i].sizes())
+          .copy_(tensors[i]);
+    }
+    const int64_t header_len = static_cast<int64_t>(header.size());
+    send(at::full({1}, header_len, i64).to(device));
+    send(at::tensor(header, i64).to(device));
+    if (total > 0) send(buffer);
+    return result;
+  }
+  result[to] = tensors;
+  for (int64_t src = 0; src < world_size_; ++src) {
+    if (src == to) continue;
+    at::Tensor len = at::empty({1}, i64.device(device));
+    recv(len, src);
+    const int64_t header_len = len.cpu().item<int64_t>();
+    at::Tensor header_t = at::empty({header_len}, i64.device(device));
+    recv(header_t, src);
+    header_t = header_t.cpu().contiguous();
+    const int64_t* h = header_t.data_ptr<int64_t>();
+    TORCH_CHECK(header_len >= 2, "ZeroShards::gather: malformed header from rank ", src);
+    const int64_t count = h[0];
+    const int64_t total = h[1];
+    at::Tensor buffer = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
+    if (total > 0) recv(buffer, src);
+    std::vector<at::Tensor> received;
+    received.reserve(static_cast<size_t>(count));
+    int64_t pos = 2;
+    for (int64_t i = 0; i < count; ++i) {
+      const auto dtype = static_cast<at::ScalarType>(h[pos++]);
+      const int64_t dim = h[pos++];
+      std::vector<int64_t> sizes(h + pos, h + pos + dim);
+      pos += dim;
+      const int64_t offset = h[pos++];
+      received.push_back(typed_view(buffer, offset, dtype, sizes));
+    }
+    result[src] = std::move(received);
+  }
+  return result;
+}
+
+// ---- fused shard steps ------------------------------------------------------------------------
+
+namespace {
+
+// Where each stepped parameter sits: shard index -> (group, position) for the entries with a
+// gradient. Checks the groups' list sizes and that this rank owns every listed parameter.
+template <typename Group>
+std::unordered_map<int64_t, std::pair<size_t, size_t>> locate(
+    const ZeroShards& shards, const std::vector<Group>& groups,
+    const std::vector<const std::vector<at::Tensor>*>& per_param_lists, size_t lists_per_group,
+    const char* caller) {
+  std::unordered_map<int64_t, std::pair<size_t, size_t>> where;
+  const int64_t n = static_cast<int64_t>(shards.params().size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const Group& group = groups[g];
+    const size_t count = group.params.size();
+    TORCH_CHECK_VALUE(group.grads.size() == count, caller, ": group ", g, " has ", count,
+                      " parameters and ", group.grads.size(), " gradients");
+    for (size_t l = 0; l < lists_per_group; ++l) {
+      const auto* list = per_param_lists[g * lists_per_group + l];
+      TORCH_CHECK_VALUE(list->size() == count, caller, ": group ", g, " has ", count,
+                        " parameters and a state list of ", list->size());
+    }
+    for (size_t j = 0; j < count; ++j) {
+      const int64_t i = group.params[j];
+      TORCH_CHECK_VALUE(i >= 0 && i < n, caller, ": parameter index ", i, " out of range (", n,
+                        " parameters)");
+      TORCH_CHECK_VALUE(shards.owners()[i] == shards.rank(), caller, ": parameter ", i,
+                        " belongs to rank ", shards.owners()[i], ", not to this rank (",
+                        shards.rank(), ")");
+      if (!group.grads[j].defined()) continue;
+      TORCH_CHECK_VALUE(where.emplace(i, std::make_pair(g, j)).second, caller, ": parameter ", i,
+                        " listed twice");
+    }
+  }
+  return where;
+}
+
+// The positions, per group, of a chunk's parameters that are stepped.
+template <typename Where>
+std::vector<std::vector<size_t>> picks_of(const std::vector<int64_t>& chunk, const Where& where,
+                                          size_t groups) {
+  std::vector<std::vector<size_t>> picks(groups);
+  for (int64_t i : chunk) {
+    const auto it = where.find(i);
+    if (it != where.end()) picks[it->second.first].push_back(it->second.second);
+  }
+  return picks;
+}
+
+std::vector<at::Tensor> select(const std::vector<at::Tensor>& v, const std::vector<size_t>& at) {
+  std::vector<at::Tensor> out;
+  out.reserve(at.size());
+  for (size_t k : at) out.push_back(v[k]);
+  return out;
+}
+
+}  // namespace
+
+ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups) {
+  std::vector<const std::vector<at::Tensor>*> lists;
+  for (const auto& g : groups) {
+    g.options.validate();
+    lists.push_back(&g.momentum_buffers);
+  }
+  const auto where = locate(shards, groups, lists, 1, "ZeroRedundancyOptimizer.step (SGD)");
+  auto update = [&](const std::vector<int64_t>& chunk) {
+    const auto picks = picks_of(chunk, where, groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (picks[g].empty()) continue;
+      ZeroSGDGroup& group = groups[g];
+      std::vector<at::Tensor> params;
+      for (size_t k : picks[g]) params.push_back(shards.params()[group.params[k]].detach());
+      std::vector<at::Tensor> bufs = select(group.momentum_buffers, picks[g]);
+      sgd_step(params, select(group.grads, picks[g]), bufs, group.options);
+      for (size_t k = 0; k < picks[g].size(); ++k) group.momentum_buffers[picks[g][k]] = bufs[k];
+    }
+  };
+  return shards.exchange(update);
+}
+
+ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups) {
+  std::vector<const std::vector<at::Tensor>*> lists;
+  for (const auto& g : groups) {
+    g.options.validate();
+    lists.push_back(&g.exp_avgs);
+    lists.push_back(&g.exp_avg_sqs);
+    lists.push_back(&g.steps);
+    // Without amsgrad the list may be empty: check it against itself.
+    lists.push_back(g.options.amsgrad ? &g.max_exp_avg_sqs : &g.exp_avgs);
+  }
+  const auto where = locate(shards, groups, lists, 4, "ZeroRedundancyOptimizer.step (Adam)");
+  for (const auto& g : groups) {
+    for (size_t j = 0; j < g.steps.size(); ++j) {
+      TORCH_CHECK_VALUE(!g.grads[j].defined() || (g.steps[j].defined() && g.steps[j].numel() == 1),
+                        "ZeroRedundancyOptimizer.step (Adam): state 'step' of parameter ",
+                        g.params[j], " must be a one-element tensor");
+    }
+  }
+  auto update = [&](const std::vector<int64_t>& chunk) {
+    const auto picks = picks_of(chunk, where, groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (picks[g].empty()) continue;
+      ZeroAdamGroup& group = groups[g];
+      std::vector<at::Tensor> params;
+      std::vector<int64_t> steps;
+      for (size_t k : picks[g]) {
+        params.push_back(shards.params()[group.params[k]].detach());
+        steps.push_back(static_cast<int64_t>(group.steps[k].item<double>()));
+      }
+      std::vector<at::Tensor> m1 = select(group.exp_avgs, picks[g]);
+      std::vector<at::Tensor> m2 = select(group.exp_avg_sqs, picks[g]);
+      std::vector<at::Tensor> mx;
+      if (group.options.amsgrad) mx = select(group.max_exp_avg_sqs, picks[g]);
+      adam_step(params, select(group.grads, picks[g]), m1, m2, mx, steps, group.options,
+                group.decoupled_weight_decay);
+      for (size_t k = 0; k < picks[g].size(); ++k) {
+        const size_t j = picks[g][k];
+        group.exp_avgs[j] = m1[k];
+        group.exp_avg_sqs[j] = m2[k];
+        if (group.options.amsgrad) group.max_exp_avg_sqs[j] = mx[k];
+        group.steps[j].fill_(static_cast<double>(steps[k]));
+      }
+    }
+  };
+  return shards.exchange(update);
+}
+
+// ---- ZeroRedundancyOptimizer -----------------------------------------------------------------
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
+    const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+    const LocalFactory& make_local, ProcessGroupPtr pg, ZeroOptions options) {
+  TORCH_CHECK_VALUE(make_local, "ZeroRedundancyOptimizer: make_local is empty");
+  TORCH_CHECK_VALUE(pg,
+                    "ZeroRedundancyOptimizer: process_group is null (this rank is not a "
+                    "member of the group)");
+  std::vector<std::vector<int64_t>> numels;
+  std::vector<at::Tensor> params;
+  std::vector<bool> trainable;
+  for (const auto& group : param_groups) {
+    std::vector<int64_t> sizes;
+    for (const at::Tensor& p : group.params()) {
+      TORCH_CHECK_VALUE(p.defined(), "ZeroRedundancyOptimizer: an undefined parameter");
+      sizes.push_back(p.numel());
+      params.push_back(p);
+      trainable.push_back(p.requires_grad());
+    }
+    numels.push_back(std::move(sizes));
+  }
+  const auto owners_per_group = partition_sorted_greedy(numels, pg->getSize());
+  std::vector<int64_t> owners;
+  std::vector<torch::optim::OptimizerParamGroup> local_groups;
+  const int64_t rank = pg->getRank();
+  for (size_t g = 0; g < param_groups.size(); ++g) {
+    const auto& group_params = param_groups[g].params();
+    // This rank's share in torch's order: largest first.
+    std::vector<size_t> order(group_params.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return numels[g][a] > numels[g][b]; });
+    std::vector<at::Tensor> mine;
+    for (size_t i : order) {
+      if (owners_per_group[g][i] == rank) mine.push_back(group_params[i]);
+    }
+    owners.insert(owners.end(), owners_per_group[g].begin(), owners_per_group[g].end());
+    if (param_groups[g].has_options()) {
+      local_groups.emplace_back(std::move(mine), param_groups[g].options().clone());
+    } else {
+      local_groups.emplace_back(std::move(mine));
+    }
+  }
+  shards_ = std::make_unique<ZeroShards>(std::move(params), std::move(owners), std::move(trainable),
+                                         std::move(pg), options);
+  local_ = make_local(std::move(local_groups));
+  TORCH_CHECK_VALUE(local_, "ZeroRedundancyOptimizer: make_local returned no optimizer");
+}
+
+at::Tensor ZeroRedundancyOptimizer::step(torch::optim::Optimizer::LossClosure closure) {
+  at::Tensor loss = local_->step(std::move(closure));
+  shards_->exchange();
+  return loss;
+}
+
+void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
+  for (const at::Tensor& p : shards_->params()) {
+    at::Tensor& grad = const_cast<at::Tensor&>(p).mutable_grad();
+    if (!grad.defined()) continue;
+    if (set_to_none) {
+      grad = at::Tensor();
+    } else {
+      grad = grad.detach();
+      grad.zero_();
+    }
+  }
+}
+
+}  // namespace optim
+}  // namespace ddpx
