@@ -1,0 +1,397 @@
+// ZeRO (ddpx/optim/zero.h) on 1 to 4 Gloo ranks as threads (test_utils.h):
+//   * partition_sorted_greedy: torch's assignment on hand-worked cases;
+//   * ZeroShards: the exchange (owners' values everywhere, in place and staged chunks, several
+//     rounds), bucket views, the fused SGD/Adam steps against the unsharded functional
+//     optimizers bit for bit, the bulk gather (any dtypes, shapes, counts), bad arguments;
+//   * ZeroRedundancyOptimizer over torch::optim::Adam / SGD against the same optimizer unsharded:
+//     every rank's parameters equal the unsharded run's bit for bit after every step (the local
+//     optimizer does the same arithmetic per parameter; the exchange copies bytes).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <ddpx/optim/functional.h>
+#include <ddpx/optim/zero.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "test_utils.h"
+
+namespace {
+
+using ddpx::optim::ZeroOptions;
+using ddpx::optim::ZeroRedundancyOptimizer;
+using ddpx::optim::ZeroShards;
+using ddpx_test::ProcessGroupPtr;
+
+// Shapes with a large parameter (own storage at small caps), small ones (packed), a
+// non-contiguous one and an empty one.
+// Values from a generator of their own: rank threads draw concurrently.
+at::Tensor randn(at::IntArrayRef sizes, at::Generator& gen) {
+  return at::randn(sizes, gen, at::TensorOptions().dtype(at::kFloat));
+}
+
+std::vector<at::Tensor> make_params(int64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
+  std::vector<at::Tensor> p{randn({64, 33}, gen),   randn({7}, gen), randn({3, 5}, gen),
+                            randn({5, 6}, gen).t(), randn({0}, gen), randn({40}, gen),
+                            randn({2, 2}, gen)};
+  for (auto& t : p) t.set_requires_grad(true);
+  return p;
+}
+
+std::vector<at::Tensor> grads_for(const std::vector<at::Tensor>& params, int64_t step) {
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 + step));
+  std::vector<at::Tensor> g;
+  for (const auto& p : params) g.push_back(randn(p.sizes(), gen));
+  return g;
+}
+
+std::vector<int64_t> owners_of(const std::vector<at::Tensor>& params, int64_t world) {
+  std::vector<int64_t> numels;
+  for (const auto& p : params) numels.push_back(p.numel());
+  return ddpx::optim::partition_sorted_greedy({numels}, world)[0];
+}
+
+TEST(ZeroPartition, TorchsSortedGreedy) {
+  using ddpx::optim::partition_sorted_greedy;
+  // Largest first: 10 -> r0, 5 -> r1, 5 -> r1 (tie with r0? no: r1 has 5 < 10), 3 -> r0 (10 vs
+  // 10: the lowest), 1 -> r1 (13 vs 10).
+  EXPECT_EQ(partition_sorted_greedy({{5, 10, 3, 5, 1}}, 2),
+            (std::vector<std::vector<int64_t>>{{1, 0, 0, 1, 1}}));
+  // Totals carry over to the next group: r0 has 4, r1 has 0 after the first.
+  EXPECT_EQ(partition_sorted_greedy({{4}, {2, 2, 1}}, 2),
+            (std::vector<std::vector<int64_t>>{{0}, {1, 1, 0}}));
+  // Equal sizes keep their order; more ranks than parameters leave ranks empty.
+  EXPECT_EQ(partition_sorted_greedy({{3, 3, 3}}, 4),
+            (std::vector<std::vector<int64_t>>{{0, 1, 2}}));
+  EXPECT_THROW(partition_sorted_greedy({{1}}, 0), c10::ValueError);
+}
+
+// Every rank's parameters take the owner's values: rank r fills its own with r + index.
+TEST(ZeroShards, ExchangeGivesEveryParameterItsOwnersValues) {
+  for (int world : {1, 2, 3, 4}) {
+    for (bool bucket_view : {false, true}) {
+      for (int64_t cap : {int64_t{64}, int64_t{1} << 20}) {
+        ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+          auto params = make_params(0);
+          const auto owners = owners_of(params, world);
+          ZeroOptions o;
+          o.parameters_as_bucket_view = bucket_view;
+          o.bucket_cap_bytes = cap;
+          ZeroShards shards(params, owners, std::vector<bool>(params.size(), true), pg, o);
+          {
+            at::NoGradGuard g;
+            for (size_t i = 0; i < params.size(); ++i) params[i].fill_(100.0 * rank + i);
+          }
+          const auto stats = shards.exchange();
+          for (size_t i = 0; i < params.size(); ++i) {
+            EXPECT_TRUE(at::equal(params[i], at::full_like(params[i], 100.0 * owners[i] + i)))
+                << "world " << world << " bucket_view " << bucket_view << " cap " << cap
+                << " param " << i;
+          }
+          if (world > 1) {
+            EXPECT_GT(stats.broadcasts, 0);
+            if (cap == 64 && !bucket_view) {
+              EXPECT_GT(stats.rounds, 1);  // several chunks per rank
+              EXPECT_GT(stats.inplace_broadcasts, 0);
+            }
+            if (bucket_view) EXPECT_EQ(stats.inplace_broadcasts, stats.broadcasts);
+          }
+        });
+      }
+    }
+  }
+}
+
+TEST(ZeroShards, BucketViewsKeepValuesAndAliasTheBucket) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto params = make_params(3);
+    std::vector<at::Tensor> before;
+    for (const auto& p : params) before.push_back(p.detach().clone());
+    std::vector<bool> trainable(params.size(), true);
+    trainable[1] = false;
+    ZeroOptions o;
+    o.parameters_as_bucket_view = true;
+    ZeroShards shards(params, owners_of(params, 2), trainable, pg, o);
+    ASSERT_EQ(shards.buckets().size(), 1u);
+    ASSERT_EQ(shards.buckets()[0].size(), 2u);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::equal(params[i], before[i])) << i;
+      if (!trainable[i] || params[i].numel() == 0) continue;
+      const at::Tensor& bucket = shards.buckets()[0][shards.owners()[i]];
+      const auto* begin = static_cast<const char*>(bucket.data_ptr());
+      const auto* p = static_cast<const char*>(params[i].data_ptr());
+      EXPECT_TRUE(p >= begin && p < begin + bucket.nbytes()) << "parameter " << i;
+    }
+    // Not trainable: a private copy, not in any bucket; trainable again after rebuild().
+    EXPECT_FALSE(params[1].is_alias_of(shards.buckets()[0][0]));
+    EXPECT_FALSE(params[1].is_alias_of(shards.buckets()[0][1]));
+    shards.rebuild(std::vector<bool>(params.size(), true));
+    EXPECT_TRUE(params[1].is_alias_of(shards.buckets()[0][shards.owners()[1]]));
+    EXPECT_TRUE(at::equal(params[1], before[1]));
+    (void)rank;
+  });
+}
+
+// The fused steps equal the unsharded functional optimizers bit for bit on every rank.
+TEST(ZeroShards, FusedStepsEqualUnshardedFunctionalOptimizers) {
+  for (int world : {1, 2, 3}) {
+    for (bool adam : {false, true}) {
+      ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+        auto params = make_params(5);
+        // The non-contiguous one is left out: the functional steps take contiguous tensors.
+        params[3] = params[3].detach().contiguous().set_requires_grad(true);
+        auto reference = make_params(5);
+        reference[3] = reference[3].detach().contiguous();
+        for (auto& r : reference) r = r.detach();
+        const auto owners = owners_of(params, world);
+        ZeroOptions o;
+        o.bucket_cap_bytes = 256;
+        ZeroShards shards(params, owners, std::vector<bool>(params.size(), true), pg, o);
+        ddpx::optim::SGDOptions sgd;
+        sgd.lr = 0.1;
+        sgd.momentum = 0.9;
+        sgd.nesterov = true;
+        ddpx::optim::AdamOptions adam_opts;
+        adam_opts.lr = 0.01;
+        adam_opts.amsgrad = true;
+        ddpx::optim::FunctionalSGD ref_sgd(reference, sgd);
+        ddpx::optim::FunctionalAdam ref_adam(reference, adam_opts, true);
+        ddpx::optim::ZeroSGDGroup sgd_group;
+        ddpx::optim::ZeroAdamGroup adam_group;
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (owners[i] != rank) continue;
+          sgd_group.params.push_back(static_cast<int64_t>(i));
+          sgd_group.momentum_buffers.emplace_back();
+          adam_group.params.push_back(static_cast<int64_t>(i));
+          adam_group.exp_avgs.push_back(at::zeros_like(params[i]));
+          adam_group.exp_avg_sqs.push_back(at::zeros_like(params[i]));
+          adam_group.max_exp_avg_sqs.push_back(at::zeros_like(params[i]));
+          adam_group.steps.push_back(at::zeros({}));
+        }
+        sgd_group.options = sgd;
+        adam_group.options = adam_opts;
+        adam_group.decoupled_weight_decay = true;
+        for (int64_t step = 0; step < 4; ++step) {
+          const auto grads = grads_for(params, step);
+          sgd_group.grads.clear();
+          adam_group.grads.clear();
+          for (int64_t i : sgd_group.params) {
+            // One parameter without a gradient on step 1: skipped, as torch skips it.
+            const bool skip = step == 1 && i == 2;
+            sgd_group.grads.push_back(skip ? at::Tensor() : grads[i]);
+            adam_group.grads.push_back(skip ? at::Tensor() : grads[i]);
+          }
+          std::vector<at::Tensor> ref_grads = grads;
+          if (step == 1) ref_grads[2] = at::Tensor();
+          if (adam) {
+            std::vector<ddpx::optim::ZeroAdamGroup> groups{adam_group};
+            ddpx::optim::step_adam(shards, groups);
+            adam_group = groups[0];
+            ref_adam.step(ref_grads);
+          } else {
+            std::vector<ddpx::optim::ZeroSGDGroup> groups{sgd_group};
+            ddpx::optim::step_sgd(shards, groups);
+            sgd_group = groups[0];
+            ref_sgd.step(ref_grads);
+          }
+          for (size_t i = 0; i < params.size(); ++i) {
+            EXPECT_TRUE(at::equal(params[i], reference[i]))
+                << "world " << world << (adam ? " adam" : " sgd") << " step " << step << " param "
+                << i;
+          }
+        }
+        if (adam) {
+          for (size_t k = 0; k < adam_group.params.size(); ++k) {
+            const int64_t expected = adam_group.params[k] == 2 ? 3 : 4;  // skipped once
+            EXPECT_EQ(adam_group.steps[k].item<double>(), expected);
+          }
+        }
+      });
+    }
+  }
+}
+
+TEST(ZeroShards, GatherBringsEveryRanksTensorsToTheTargetOnly) {
+  for (int world : {1, 2, 4}) {
+    for (int to = 0; to < world; ++to) {
+      ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+        auto params = make_params(0);
+        ZeroShards shards(params, owners_of(params, world), std::vector<bool>(params.size(), true),
+                          pg);
+        // Rank r sends r + 1 tensors of assorted dtypes and shapes (0-dim and empty included).
+        auto mine = [](int r) {
+          std::vector<at::Tensor> t;
+          for (int k = 0; k <= r; ++k) {
+            switch (k % 4) {
+              case 0:
+                t.push_back(at::arange(3 * (k + 1), at::kFloat).add(r).view({3, -1}));
+                break;
+              case 1:
+                t.push_back(at::full({}, 7 + r, at::kLong));
+                break;
+              case 2:
+                t.push_back(at::empty({0, 4}, at::kDouble));
+                break;
+              default:
+                t.push_back(at::tensor({1, 0, r % 2}, at::kByte).to(at::kBool));
+                break;
+            }
+          }
+          return t;
+        };
+        const auto got = shards.gather(to, mine(rank), c10::Device(c10::kCPU));
+        if (rank != to) {
+          EXPECT_TRUE(got.empty());
+          return;
+        }
+        ASSERT_EQ(got.size(), static_cast<size_t>(world));
+        for (int r = 0; r < world; ++r) {
+          const auto expected = mine(r);
+          ASSERT_EQ(got[r].size(), expected.size()) << "from rank " << r;
+          for (size_t k = 0; k < expected.size(); ++k) {
+            EXPECT_EQ(got[r][k].scalar_type(), expected[k].scalar_type());
+            EXPECT_EQ(got[r][k].sizes(), expected[k].sizes());
+            EXPECT_TRUE(at::equal(got[r][k], expected[k])) << "from rank " << r << " #" << k;
+          }
+        }
+      });
+    }
+  }
+}
+
+TEST(ZeroShards, BadArguments) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto p = make_params(0);
+    const std::vector<bool> all(p.size(), true);
+    EXPECT_THROW(ZeroShards({}, {}, {}, pg), c10::ValueError);
+    EXPECT_THROW(ZeroShards(p, owners_of(p, 2), all, ProcessGroupPtr()), c10::ValueError);
+    auto bad_owner = owners_of(p, 2);
+    bad_owner[0] = 2;
+    EXPECT_THROW(ZeroShards(p, bad_owner, all, pg), c10::ValueError);
+    auto mixed = p;
+    mixed[1] = at::randn({7}, at::kDouble);
+    EXPECT_THROW(ZeroShards(mixed, owners_of(p, 2), all, pg), c10::ValueError);
+    ZeroOptions zero_cap;
+    zero_cap.bucket_cap_bytes = 0;
+    EXPECT_THROW(ZeroShards(p, owners_of(p, 2), all, pg, zero_cap), c10::ValueError);
+    ZeroShards ok(p, owners_of(p, 2), all, pg);
+    EXPECT_THROW(ok.gather(2, {}, c10::Device(c10::kCPU)), c10::ValueError);
+    // A fused step listing a parameter this rank does not own.
+    ddpx::optim::ZeroSGDGroup foreign;
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (ok.owners()[i] != rank) {
+        foreign.params.push_back(static_cast<int64_t>(i));
+        break;
+      }
+    }
+    foreign.grads = {at::zeros_like(p[foreign.params[0]])};
+    foreign.momentum_buffers = {at::Tensor()};
+    std::vector<ddpx::optim::ZeroSGDGroup> groups{foreign};
+    EXPECT_THROW(ddpx::optim::step_sgd(ok, groups), c10::ValueError);
+  });
+}
+
+// The C++ class over torch::optim optimizers equals the unsharded optimizer bit for bit.
+template <typename Make>
+void expect_matches_unsharded(int world, bool bucket_view, Make make) {
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    auto params = make_params(9);
+    auto reference = make_params(9);
+    ZeroOptions o;
+    o.parameters_as_bucket_view = bucket_view;
+    o.bucket_cap_bytes = 128;
+    // Two groups, the second with its own learning rate.
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>(params.begin(), params.begin() + 4));
+    groups.emplace_back(std::vector<at::Tensor>(params.begin() + 4, params.end()),
+                        make(std::vector<torch::optim::OptimizerParamGroup>{})->defaults().clone());
+    groups[1].options().set_lr(groups[1].options().get_lr() * 3);
+    std::vector<torch::optim::OptimizerParamGroup> ref_groups;
+    ref_groups.emplace_back(std::vector<at::Tensor>(reference.begin(), reference.begin() + 4));
+    ref_groups.emplace_back(std::vector<at::Tensor>(reference.begin() + 4, reference.end()),
+                            groups[1].options().clone());
+    ZeroRedundancyOptimizer zero(groups, make, pg, o);
+    auto unsharded = make(std::move(ref_groups));
+    size_t local = 0;
+    for (const auto& g : zero.local().param_groups()) local += g.params().size();
+    size_t owned = 0;
+    for (size_t i = 0; i < zero.params().size(); ++i) owned += zero.owner_of(i) == rank;
+    EXPECT_EQ(local, owned);
+    for (int64_t step = 0; step < 3; ++step) {
+      const auto grads = grads_for(params, step);
+      zero.zero_grad();
+      unsharded->zero_grad();
+      for (size_t i = 0; i < params.size(); ++i) {
+        params[i].mutable_grad() = grads[i].clone();
+        reference[i].mutable_grad() = grads[i].clone();
+      }
+      zero.step();
+      unsharded->step();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::equal(params[i], reference[i]))
+            << "world " << world << " bucket_view " << bucket_view << " step " << step << " param "
+            << i;
+      }
+    }
+    zero.zero_grad(/*set_to_none=*/false);
+    for (const auto& p : params) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+    }
+    zero.zero_grad();
+    for (const auto& p : params) EXPECT_FALSE(p.grad().defined());
+  });
+}
+
+TEST(ZeroRedundancyOptimizer, AdamMatchesUnshardedAdam) {
+  auto make = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+    return std::make_shared<torch::optim::Adam>(
+        std::move(g), torch::optim::AdamOptions(0.01).weight_decay(0.1).amsgrad(true));
+  };
+  for (int world : {1, 2, 3, 4}) {
+    for (bool bv : {false, true}) expect_matches_unsharded(world, bv, make);
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, SGDMatchesUnshardedSGD) {
+  auto make = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+    return std::make_shared<torch::optim::SGD>(
+        std::move(g), torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  };
+  for (int world : {2, 3}) {
+    for (bool bv : {false, true}) expect_matches_unsharded(world, bv, make);
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, BadArguments) {
+  ddpx_test::run_ranks(2, [&](int, const ProcessGroupPtr& pg) {
+    auto p = make_params(0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(p);
+    EXPECT_THROW(ZeroRedundancyOptimizer(groups, nullptr, pg), c10::ValueError);
+    auto make = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+      return std::make_shared<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.1));
+    };
+    EXPECT_THROW(ZeroRedundancyOptimizer(groups, make, ProcessGroupPtr()), c10::ValueError);
+    auto none = [](std::vector<torch::optim::OptimizerParamGroup>) {
+      return std::shared_ptr<torch::optim::Optimizer>();
+    };
+    EXPECT_THROW(ZeroRedundancyOptimizer(groups, none, pg), c10::ValueError);
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  // Rank threads are the parallelism here; intra-op threads would only oversubscribe.
+  at::set_num_threads(1);
+  return RUN_ALL_TESTS();
+}
