@@ -138,8 +138,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         >>> if rank == 0: torch.save(zero.state_dict(), "ckpt.pt")
     """
 
-    #: Bytes of small parameters packed per broadcast (a contiguous parameter of at least a quarter
-    #: of it travels in its own storage). Read when the exchange is planned (construction,
+    #: Bytes of small parameters packed per broadcast (a contiguous parameter of 256 KiB or more,
+    #: or a quarter of this if less, travels in its own storage). Read when the exchange is planned (construction,
     #: add_param_group, a trainability change).
     bucket_cap_bytes: int = _DEFAULT_BUCKET_CAP_BYTES
 

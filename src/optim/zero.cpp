@@ -41,6 +41,10 @@ std::vector<std::vector<int64_t>> partition_sorted_greedy(
 namespace {
 
 constexpr int64_t kGatherAlign = 64;  // bytes; every packed tensor starts at a multiple
+// A contiguous parameter of this many bytes (or a quarter bucket, if less) is broadcast in its
+// own storage: a message this large already amortises its latency, and staging it would cost
+// memory (two rounds of buffers) and two copies.
+constexpr int64_t kInplaceMinBytes = 256 * 1024;
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
@@ -206,6 +210,7 @@ void ZeroShards::plan() {
       continue;
     }
     // Parameters in their own storage where large and contiguous; the rest packed per device.
+    const int64_t inplace_min = std::min(cap / 4, kInplaceMinBytes);
     std::vector<Chunk> open;  // one per device, in order of first appearance
     for (size_t i = 0; i < params_.size(); ++i) {
       if (owners_[i] != r) continue;
@@ -215,7 +220,7 @@ void ZeroShards::plan() {
         if (r == rank_) unchunked_.push_back(static_cast<int64_t>(i));
         continue;
       }
-      if (p.is_contiguous() && bytes * 4 >= cap) {
+      if (p.is_contiguous() && bytes >= inplace_min) {
         Chunk own;
         own.owner = r;
         own.params = {static_cast<int64_t>(i)};

@@ -11,8 +11,8 @@
 //   optimizer built by a factory for this rank's shard.
 //
 // The exchange is a broadcast from each owner, chunk by chunk (at most bucket_cap_bytes of
-// small parameters packed per chunk; a large contiguous parameter, or a bucket-view slice, goes in
-// its own storage without a copy). Chunks go in rounds: round k carries every rank's k-th chunk,
+// small parameters packed per chunk; a contiguous parameter of 256 KiB or more, or a bucket-view
+// slice, goes in its own storage without a copy). Chunks go in rounds: round k carries every rank's k-th chunk,
 // and a rank's own chunk k is updated (ChunkUpdate) just before round k starts, so the
 // broadcasts of round k run while chunk k+1 is being updated. At most two rounds of staging
 // memory are alive at once.
@@ -45,8 +45,9 @@ struct ZeroOptions {
   // true: each rank's trainable parameters (per device) are packed into one flat tensor and
   // every such parameter's data becomes a view of it (torch's parameters_as_bucket_view).
   bool parameters_as_bucket_view = false;
-  // Exchange granularity: small parameters are packed into chunks of at most this many bytes,
-  // and a contiguous parameter of at least a quarter of it travels in its own storage.
+  // Exchange granularity: small parameters are packed into chunks of at most this many bytes;
+  // a contiguous parameter of at least 256 KiB (or a quarter of this, if less) travels in its
+  // own storage.
   int64_t bucket_cap_bytes = comm::kDefaultBucketBytes;
 };
 
