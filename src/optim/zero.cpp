@@ -6,6 +6,7 @@
 #include <ddpx/optim/zero.h>
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <numeric>
 #include <unordered_map>
@@ -54,6 +55,30 @@ int64_t align_up(int64_t n) { return (n + kGatherAlign - 1) / kGatherAlign * kGa
 c10::intrusive_ptr<c10d::Work> start_broadcast(c10d::ProcessGroup& pg, const at::Tensor& values,
                                                int64_t root) {
   return comm::Broadcast(root).start(pg, values);
+}
+
+// Copies `t`'s elements to (into_flat) or from `flat`, a contiguous 1-D tensor of t's dtype,
+// from element `offset`. Contiguous CPU tensors are copied with memcpy: a staged chunk packs
+// many small parameters, and an ATen copy per parameter costs microseconds of dispatch each.
+void copy_elements(const at::Tensor& t, const at::Tensor& flat, int64_t offset, bool into_flat) {
+  if (t.numel() == 0) return;
+  if (t.device().is_cpu() && flat.device().is_cpu() && t.is_contiguous()) {
+    char* base = static_cast<char*>(flat.data_ptr()) + offset * flat.element_size();
+    char* own = static_cast<char*>(t.data_ptr());
+    const size_t n = static_cast<size_t>(nbytes(t));
+    if (into_flat) {
+      std::memcpy(base, own, n);
+    } else {
+      std::memcpy(own, base, n);
+    }
+    return;
+  }
+  at::Tensor slot = flat.narrow(0, offset, t.numel()).view(t.sizes());
+  if (into_flat) {
+    slot.copy_(t);
+  } else {
+    t.copy_(slot);
+  }
 }
 
 // `bytes` (a 1-D byte tensor) from `offset` seen as a tensor of `dtype` and `sizes`.
@@ -285,7 +310,7 @@ ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
       int64_t offset = 0;
       for (int64_t i : item.chunk->params) {
         at::Tensor dst = data(i);
-        dst.copy_(item.staged.narrow(0, offset, dst.numel()).view(dst.sizes()));
+        copy_elements(dst, item.staged, offset, /*into_flat=*/false);
         offset += dst.numel();
       }
     }
@@ -314,7 +339,7 @@ ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
           int64_t offset = 0;
           for (int64_t i : chunk.params) {
             const at::Tensor src = data(i);
-            values.narrow(0, offset, src.numel()).view(src.sizes()).copy_(src);
+            copy_elements(src, values, offset, /*into_flat=*/true);
             offset += src.numel();
           }
         }
@@ -356,17 +381,18 @@ std::vector<std::vector<at::Tensor>> ZeroShards::gather(int64_t to,
   }
   at::NoGradGuard no_grad;
   const auto i64 = at::TensorOptions().dtype(at::kLong);
-  const int tag = 0;
-  auto send = [&](at::Tensor t) {
-    std::vector<at::Tensor> v{std::move(t)};
-    pg_->send(v, static_cast<int>(to), tag)->wait();
+  const auto bytes_on = at::TensorOptions().dtype(at::kByte).device(device);
+  // One message per tag: 0 the header's length, 1 the header, then 2, 3, ... the data (the
+  // packed buffer, if any, then each tensor sent in its own storage, in order).
+  auto start_send = [&](std::vector<at::Tensor>& v, int tag) {
+    return pg_->send(v, static_cast<int>(to), tag);
   };
-  auto recv = [&](at::Tensor t, int64_t src) {
-    std::vector<at::Tensor> v{std::move(t)};
-    pg_->recv(v, static_cast<int>(src), tag)->wait();
+  auto start_recv = [&](std::vector<at::Tensor>& v, int64_t src, int tag) {
+    return pg_->recv(v, static_cast<int>(src), tag);
   };
   if (rank_ != to) {
-    // Header: count, total bytes, then per tensor dtype, dim, sizes..., byte offset.
+    // Header: count, packed bytes, then per tensor dtype, dim, sizes..., and its byte offset in
+    // the packed buffer, or -1: sent in its own storage (contiguous, on `device`, large).
     std::vector<int64_t> header{static_cast<int64_t>(tensors.size()), 0};
     int64_t total = 0;
     std::vector<int64_t> offsets;
@@ -374,37 +400,57 @@ std::vector<std::vector<at::Tensor>> ZeroShards::gather(int64_t to,
       header.push_back(static_cast<int64_t>(t.scalar_type()));
       header.push_back(t.dim());
       for (int64_t s : t.sizes()) header.push_back(s);
-      header.push_back(total);
-      offsets.push_back(total);
-      total = align_up(total + nbytes(t));
+      const bool alone = t.is_contiguous() && t.device() == device && nbytes(t) >= kInplaceMinBytes;
+      offsets.push_back(alone ? -1 : total);
+      header.push_back(offsets.back());
+      if (!alone) total = align_up(total + nbytes(t));
     }
     header[1] = total;
-    at::Tensor buffer = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      typed_view(buffer, offsets[i], tensors[i].scalar_type(), tensors[i].sizes())
-          .copy_(tensors[i]);
+    std::vector<std::vector<at::Tensor>> messages;
+    messages.push_back({at::full({1}, static_cast<int64_t>(header.size()), i64).to(device)});
+    messages.push_back({at::tensor(header, i64).to(device)});
+    if (total > 0) {
+      at::Tensor buffer = at::empty({total}, bytes_on);
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (offsets[i] < 0) continue;
+        typed_view(buffer, offsets[i], tensors[i].scalar_type(), tensors[i].sizes())
+            .copy_(tensors[i]);
+      }
+      messages.push_back({buffer});
     }
-    const int64_t header_len = static_cast<int64_t>(header.size());
-    send(at::full({1}, header_len, i64).to(device));
-    send(at::tensor(header, i64).to(device));
-    if (total > 0) send(buffer);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (offsets[i] < 0) messages.push_back({tensors[i].view(-1).view(at::kByte)});
+    }
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (size_t m = 0; m < messages.size(); ++m) {
+      works.push_back(start_send(messages[m], static_cast<int>(m)));
+    }
+    for (auto& w : works) w->wait();
     return result;
   }
   result[to] = tensors;
+  // Headers first (small), then every data message of every rank in flight at once.
+  std::vector<std::vector<at::Tensor>> inbox;       // data messages' targets, as byte tensors
+  std::vector<std::pair<int64_t, int>> inbox_from;  // (source rank, tag)
   for (int64_t src = 0; src < world_size_; ++src) {
     if (src == to) continue;
-    at::Tensor len = at::empty({1}, i64.device(device));
-    recv(len, src);
-    const int64_t header_len = len.cpu().item<int64_t>();
-    at::Tensor header_t = at::empty({header_len}, i64.device(device));
-    recv(header_t, src);
-    header_t = header_t.cpu().contiguous();
-    const int64_t* h = header_t.data_ptr<int64_t>();
+    std::vector<at::Tensor> len{at::empty({1}, i64.device(device))};
+    start_recv(len, src, 0)->wait();
+    const int64_t header_len = len[0].cpu().item<int64_t>();
     TORCH_CHECK(header_len >= 2, "ZeroShards::gather: malformed header from rank ", src);
+    std::vector<at::Tensor> header_t{at::empty({header_len}, i64.device(device))};
+    start_recv(header_t, src, 1)->wait();
+    const at::Tensor header = header_t[0].cpu().contiguous();
+    const int64_t* h = header.data_ptr<int64_t>();
     const int64_t count = h[0];
     const int64_t total = h[1];
-    at::Tensor buffer = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
-    if (total > 0) recv(buffer, src);
+    int tag = 2;
+    at::Tensor buffer;
+    if (total > 0) {
+      buffer = at::empty({total}, bytes_on);
+      inbox.push_back({buffer});
+      inbox_from.emplace_back(src, tag++);
+    }
     std::vector<at::Tensor> received;
     received.reserve(static_cast<size_t>(count));
     int64_t pos = 2;
@@ -414,10 +460,22 @@ std::vector<std::vector<at::Tensor>> ZeroShards::gather(int64_t to,
       std::vector<int64_t> sizes(h + pos, h + pos + dim);
       pos += dim;
       const int64_t offset = h[pos++];
-      received.push_back(typed_view(buffer, offset, dtype, sizes));
+      if (offset >= 0) {
+        received.push_back(typed_view(buffer, offset, dtype, sizes));
+      } else {
+        at::Tensor own = at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+        inbox.push_back({own.view(-1).view(at::kByte)});
+        inbox_from.emplace_back(src, tag++);
+        received.push_back(own);
+      }
     }
     result[src] = std::move(received);
   }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t m = 0; m < inbox.size(); ++m) {
+    works.push_back(start_recv(inbox[m], inbox_from[m].first, inbox_from[m].second));
+  }
+  for (auto& w : works) w->wait();
   return result;
 }
 
