@@ -225,7 +225,8 @@ TEST(ZeroShards, GatherBringsEveryRanksTensorsToTheTargetOnly) {
         auto params = make_params(0);
         ZeroShards shards(params, owners_of(params, world), std::vector<bool>(params.size(), true),
                           pg);
-        // Rank r sends r + 1 tensors of assorted dtypes and shapes (0-dim and empty included).
+        // Rank r sends r + 3 tensors of assorted dtypes and shapes (0-dim and empty included), a
+        // large one (in its own storage) and a large non-contiguous one (packed).
         auto mine = [](int r) {
           std::vector<at::Tensor> t;
           for (int k = 0; k <= r; ++k) {
@@ -244,6 +245,8 @@ TEST(ZeroShards, GatherBringsEveryRanksTensorsToTheTargetOnly) {
                 break;
             }
           }
+          t.push_back(at::arange(70000 + r, at::kFloat));
+          t.push_back(at::arange(2 * 70000, at::kDouble).add(r).view({2, -1}).t());
           return t;
         };
         const auto got = shards.gather(to, mine(rank), c10::Device(c10::kCPU));
