@@ -401,9 +401,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._shards.rebuild([_is_trainable(p) for p in self._index_to_param])
             self._is_trainable_mask = mask
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        fused = None if closure is not None or kwargs else self._fused_step()
-        if fused is not None:
-            fused()
+        if closure is None and not kwargs and self._fused_step():
             loss = None
         else:
             if closure is None:
@@ -414,73 +412,61 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
 
-    def _fused_step(self) -> Optional[Callable[[], None]]:
-        """The fused update-and-exchange for SGD / Adam / AdamW, or None where the local
-        optimizer's own step must run (another class, an option the kernels lack, a step hook,
-        a gradient or state the kernels cannot take)."""
+    def _fused_step(self) -> bool:
+        """The fused update-and-exchange for SGD / Adam / AdamW. False, having done nothing,
+        where the local optimizer's own step must run: another class, an option the kernels lack
+        (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
+        tensors they cannot take (checked in C++: dtype, layout, shapes)."""
         optim = self.optim
         kind = type(optim)
         if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-            return None
+            return False
         if _compat.optimizer_has_step_hooks(optim):
-            return None
-        if self._default_device.type == "cuda" and not _C.with_cuda:
-            return None
-        index = self._param_to_index
-        groups = []
+            return False
+        if self._default_device.type != "cpu" and not _C.with_cuda:
+            return False
         for group in optim.param_groups:
             if group.get("fused") or group.get("capturable") or group.get("differentiable"):
-                return None
+                return False
             for key, value in group.items():
                 if key != "params" and isinstance(value, torch.Tensor):
-                    return None
-            entries = []
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if (p.dtype not in (torch.float32, torch.float64) or g.is_sparse
-                        or g.dtype != p.dtype or g.device != p.device or g.shape != p.shape
-                        or not p.is_contiguous() or not g.is_contiguous()):
-                    return None
-                entries.append(p)
-            groups.append((group, entries))
+                    return False
         if kind is torch.optim.SGD:
-            return self._fused_sgd(groups, index)
-        decoupled = kind is torch.optim.AdamW
-        return self._fused_adam(groups, index, decoupled)
+            return self._fused_sgd()
+        return self._fused_adam(kind is torch.optim.AdamW)
 
-    def _fused_sgd(self, groups, index) -> Optional[Callable[[], None]]:
+    def _fused_sgd(self) -> bool:
         state = self.optim.state
-        specs = []
-        for group, params in groups:
-            bufs = []
-            for p in params:
-                buf = state[p].get("momentum_buffer") if p in state else None
-                if buf is not None and not self._state_fits(buf, p):
-                    return None
-                bufs.append(buf)
-            specs.append(([index[p] for p in params], [p.grad for p in params], bufs,
+        index = self._param_to_index
+        specs, stepped = [], []
+        for group in self.optim.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            stepped.append((group, params))
+            specs.append(([index[p] for p in params], [p.grad for p in params],
+                          [state[p].get("momentum_buffer") for p in params],
                           float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
                           float(group["weight_decay"]), bool(group["nesterov"]),
                           bool(group.get("maximize", False))))
+        result = self._shards.step_sgd(specs)
+        if result is None:
+            return False
+        bufs_per_group, self._last_exchange = result
         store_none = _compat.sgd_stores_none_momentum_buffer()
+        for (group, params), bufs in zip(stepped, bufs_per_group):
+            if group["momentum"] == 0 and not store_none:
+                continue
+            for p, buf in zip(params, bufs):
+                state[p]["momentum_buffer"] = buf
+        return True
 
-        def run() -> None:
-            bufs_per_group, self._last_exchange = self._shards.step_sgd(specs)
-            for (group, params), bufs in zip(groups, bufs_per_group):
-                if group["momentum"] == 0 and not store_none:
-                    continue
-                for p, buf in zip(params, bufs):
-                    state[p]["momentum_buffer"] = buf
-        return run
-
-    def _fused_adam(self, groups, index, decoupled: bool) -> Optional[Callable[[], None]]:
+    def _fused_adam(self, adamw: bool) -> bool:
         state = self.optim.state
+        index = self._param_to_index
         specs = []
-        for group, params in groups:
+        for group in self.optim.param_groups:
             amsgrad = bool(group["amsgrad"])
-            m1, m2, mx, steps = [], [], [], []
+            params = [p for p in group["params"] if p.grad is not None]
+            states = []
             for p in params:
                 s = state[p]
                 if len(s) == 0:  # torch's lazy initialisation, in its layout
@@ -490,31 +476,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if amsgrad:
                         s["max_exp_avg_sq"] = torch.zeros_like(
                             p, memory_format=torch.preserve_format)
-                step = s.get("step")
-                keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-                if (not isinstance(step, torch.Tensor) or step.numel() != 1
-                        or not all(self._state_fits(s.get(k), p) for k in keys)):
-                    return None
-                m1.append(s["exp_avg"])
-                m2.append(s["exp_avg_sq"])
-                if amsgrad:
-                    mx.append(s["max_exp_avg_sq"])
-                steps.append(step)
+                states.append(s)
+            try:
+                m1 = [s["exp_avg"] for s in states]
+                m2 = [s["exp_avg_sq"] for s in states]
+                mx = [s["max_exp_avg_sq"] for s in states] if amsgrad else []
+                steps = [s["step"] for s in states]
+            except KeyError:  # a state the kernels do not know: the optimizer's own step
+                return False
+            if not all(isinstance(t, torch.Tensor) for t in steps):
+                return False
             beta1, beta2 = group["betas"]
             specs.append(([index[p] for p in params], [p.grad for p in params], m1, m2, mx, steps,
                           float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                           float(group["weight_decay"]), amsgrad,
                           bool(group.get("maximize", False)),
-                          decoupled or bool(group.get("decoupled_weight_decay", False))))
-
-        def run() -> None:
-            self._last_exchange = self._shards.step_adam(specs)
-        return run
-
-    @staticmethod
-    def _state_fits(t: Any, p: torch.Tensor) -> bool:
-        return (isinstance(t, torch.Tensor) and t.dtype == p.dtype and t.device == p.device
-                and t.shape == p.shape and t.is_contiguous())
+                          adamw or bool(group.get("decoupled_weight_decay", False))))
+        result = self._shards.step_adam(specs)
+        if result is None:
+            return False
+        self._last_exchange = result
+        return True
 
     # ---- Join ----------------------------------------------------------------------------
 

@@ -277,6 +277,17 @@ void ZeroShards::plan() {
       if (!c.params.empty()) chunks.push_back(std::move(c));
     }
   }
+  // Staging buffers live across exchanges when all of them together take at most two buckets
+  // (models with many small parameters: no allocation and page faults per step).
+  int64_t staged = 0;
+  for (const auto& chunks : chunks_) {
+    for (const Chunk& c : chunks) {
+      if (!c.bucket_slice.defined() && c.own_param < 0) {
+        staged += c.numel * static_cast<int64_t>(params_.front().element_size());
+      }
+    }
+  }
+  keep_staging_ = staged <= 2 * cap;
 }
 
 struct ZeroShards::Round {
@@ -321,7 +332,7 @@ ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
     Round round;
     for (int64_t r = 0; r < world_size_; ++r) {
       if (k >= chunks_[r].size()) continue;
-      const Chunk& chunk = chunks_[r][k];
+      Chunk& chunk = chunks_[r][k];
       Round::Item item{&chunk, at::Tensor(), {}};
       at::Tensor values;
       if (chunk.bucket_slice.defined()) {
@@ -334,7 +345,12 @@ ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
         values = values.view(-1);
         ++stats.inplace_broadcasts;
       } else {
-        values = at::empty({chunk.numel}, at::TensorOptions().dtype(dtype).device(chunk.device));
+        if (keep_staging_ && chunk.staging.defined()) {
+          values = chunk.staging;
+        } else {
+          values = at::empty({chunk.numel}, at::TensorOptions().dtype(dtype).device(chunk.device));
+          if (keep_staging_) chunk.staging = values;
+        }
         if (r == rank_) {
           int64_t offset = 0;
           for (int64_t i : chunk.params) {
@@ -605,6 +621,58 @@ ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& grou
     }
   };
   return shards.exchange(update);
+}
+
+namespace {
+
+bool fits(const at::Tensor& t, const at::Tensor& p) {
+  return t.layout() == c10::kStrided && t.scalar_type() == p.scalar_type() &&
+         t.device() == p.device() && t.sizes() == p.sizes() && t.is_contiguous();
+}
+
+// The parameter and gradient of entry j of a group, if the kernels take them (undefined
+// gradient: skipped, fine).
+bool entry_supported(const ZeroShards& shards, int64_t index, const at::Tensor& grad) {
+  if (!grad.defined()) return true;
+  if (index < 0 || index >= static_cast<int64_t>(shards.params().size())) return false;
+  const at::Tensor& p = shards.params()[index];
+  const auto dtype = p.scalar_type();
+  return (dtype == at::kFloat || dtype == at::kDouble) && p.is_contiguous() && fits(grad, p);
+}
+
+bool state_supported(const std::vector<at::Tensor>& state, size_t j, const at::Tensor& p) {
+  return j >= state.size() || !state[j].defined() || fits(state[j], p);
+}
+
+}  // namespace
+
+bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroSGDGroup>& groups) {
+  for (const auto& g : groups) {
+    if (g.grads.size() != g.params.size()) return false;
+    for (size_t j = 0; j < g.params.size(); ++j) {
+      if (!entry_supported(shards, g.params[j], g.grads[j])) return false;
+      if (!g.grads[j].defined()) continue;
+      if (!state_supported(g.momentum_buffers, j, shards.params()[g.params[j]])) return false;
+    }
+  }
+  return true;
+}
+
+bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroAdamGroup>& groups) {
+  for (const auto& g : groups) {
+    if (g.grads.size() != g.params.size()) return false;
+    for (size_t j = 0; j < g.params.size(); ++j) {
+      if (!entry_supported(shards, g.params[j], g.grads[j])) return false;
+      if (!g.grads[j].defined()) continue;
+      const at::Tensor& p = shards.params()[g.params[j]];
+      if (!state_supported(g.exp_avgs, j, p) || !state_supported(g.exp_avg_sqs, j, p) ||
+          !state_supported(g.max_exp_avg_sqs, j, p)) {
+        return false;
+      }
+      if (j < g.steps.size() && g.steps[j].defined() && g.steps[j].numel() != 1) return false;
+    }
+  }
+  return true;
 }
 
 // ---- ZeroRedundancyOptimizer -----------------------------------------------------------------

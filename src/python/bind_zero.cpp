@@ -111,6 +111,7 @@ void bind_zero(py::module& m) {
           [](optim::ZeroShards& self, const py::list& groups) {
             std::vector<optim::ZeroSGDGroup> gs;
             for (const py::handle& g : groups) gs.push_back(sgd_group(g));
+            if (!optim::fused_step_supported(self, gs)) return py::object(py::none());
             optim::ZeroExchangeStats s;
             {
               py::gil_scoped_release no_gil;
@@ -118,29 +119,32 @@ void bind_zero(py::module& m) {
             }
             py::list bufs;
             for (const auto& g : gs) bufs.append(to_py(g.momentum_buffers));
-            return py::make_tuple(bufs, stats_dict(s));
+            return py::object(py::make_tuple(bufs, stats_dict(s)));
           },
           py::arg("groups"),
           "Fused SGD step of this rank's shard and exchange. groups: (param indices, grads, "
           "momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, maximize) tuples. "
-          "Returns (momentum buffers per group, stats).")
+          "Returns (momentum buffers per group, stats), or None, having done nothing, where the "
+          "kernels "
+          "do not take these tensors (then: the optimizer's own step and exchange()).")
       .def(
           "step_adam",
           [](optim::ZeroShards& self, const py::list& groups) {
             std::vector<optim::ZeroAdamGroup> gs;
             for (const py::handle& g : groups) gs.push_back(adam_group(g));
+            if (!optim::fused_step_supported(self, gs)) return py::object(py::none());
             optim::ZeroExchangeStats s;
             {
               py::gil_scoped_release no_gil;
               s = optim::step_adam(self, gs);
             }
-            return stats_dict(s);
+            return py::object(stats_dict(s));
           },
           py::arg("groups"),
           "Fused Adam/AdamW step of this rank's shard and exchange; state tensors (created "
           "beforehand) are updated in place. groups: (param indices, grads, exp_avgs, "
           "exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, amsgrad, "
-          "maximize, decoupled_weight_decay) tuples.")
+          "maximize, decoupled_weight_decay) tuples. Returns the stats, or None as step_sgd.")
       .def(
           "gather",
           [](const optim::ZeroShards& self, int64_t to, const py::object& tensors,

@@ -298,6 +298,31 @@ TEST(ZeroShards, BadArguments) {
     foreign.momentum_buffers = {at::Tensor()};
     std::vector<ddpx::optim::ZeroSGDGroup> groups{foreign};
     EXPECT_THROW(ddpx::optim::step_sgd(ok, groups), c10::ValueError);
+    // What the kernels take: a matching gradient yes; another dtype, a non-contiguous gradient or
+    // a state of another shape no (the caller then runs its optimizer's own step).
+    const int64_t mine_index = ok.owned_by(rank).front();
+    const at::Tensor& own = p[mine_index];
+    ddpx::optim::ZeroSGDGroup g;
+    g.params = {mine_index};
+    g.momentum_buffers = {at::Tensor()};
+    g.grads = {at::zeros_like(own)};
+    EXPECT_TRUE(ddpx::optim::fused_step_supported(ok, std::vector<ddpx::optim::ZeroSGDGroup>{g}));
+    g.grads = {at::zeros_like(own, at::kDouble)};
+    EXPECT_FALSE(ddpx::optim::fused_step_supported(ok, std::vector<ddpx::optim::ZeroSGDGroup>{g}));
+    if (own.dim() == 2 && own.size(0) > 1 && own.size(1) > 1) {
+      g.grads = {at::zeros({own.size(1), own.size(0)}).t()};
+      EXPECT_FALSE(
+          ddpx::optim::fused_step_supported(ok, std::vector<ddpx::optim::ZeroSGDGroup>{g}));
+    }
+    ddpx::optim::ZeroAdamGroup a;
+    a.params = {mine_index};
+    a.grads = {at::zeros_like(own)};
+    a.exp_avgs = {at::zeros({own.numel() + 1})};
+    a.exp_avg_sqs = {at::zeros_like(own)};
+    a.steps = {at::zeros({})};
+    EXPECT_FALSE(ddpx::optim::fused_step_supported(ok, std::vector<ddpx::optim::ZeroAdamGroup>{a}));
+    a.exp_avgs = {at::zeros_like(own)};
+    EXPECT_TRUE(ddpx::optim::fused_step_supported(ok, std::vector<ddpx::optim::ZeroAdamGroup>{a}));
   });
 }
 

@@ -12,8 +12,8 @@
 //
 // The exchange is a broadcast from each owner, chunk by chunk (at most bucket_cap_bytes of
 // small parameters packed per chunk; a contiguous parameter of 256 KiB or more, or a bucket-view
-// slice, goes in its own storage without a copy). Chunks go in rounds: round k carries every rank's k-th chunk,
-// and a rank's own chunk k is updated (ChunkUpdate) just before round k starts, so the
+// slice, goes in its own storage without a copy). Chunks go in rounds: round k carries every rank's
+// k-th chunk, and a rank's own chunk k is updated (ChunkUpdate) just before round k starts, so the
 // broadcasts of round k run while chunk k+1 is being updated. At most two rounds of staging
 // memory are alive at once.
 #pragma once
@@ -118,6 +118,9 @@ class ZeroShards {
     at::Tensor bucket_slice;
     int64_t own_param = -1;
     c10::Device device = c10::Device(c10::kCPU);
+    // Staged chunks: the buffer, kept from one exchange to the next when every staged chunk
+    // together is small (keep_staging_), allocated per exchange otherwise.
+    at::Tensor staging;
   };
   struct Round;
 
@@ -135,6 +138,7 @@ class ZeroShards {
   std::vector<std::vector<at::Tensor>> buckets_;
   std::vector<std::vector<Chunk>> chunks_;  // chunks_[r]: rank r's chunks, in send order
   std::vector<int64_t> unchunked_;          // this rank's parameters in no chunk
+  bool keep_staging_ = false;
 };
 
 // The shard's update fused with the exchange: ddpx's functional SGD / Adam / AdamW
@@ -164,6 +168,14 @@ struct ZeroAdamGroup {
 
 ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups);
 ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups);
+
+// Whether the fused steps take these groups: every stepped parameter float32/float64 and
+// contiguous, its gradient dense and contiguous with the parameter's dtype, device and shape, its
+// defined state tensors likewise (steps: one element). Where not, the caller runs its optimizer's
+// own step and then ZeroShards::exchange() (the collectives are the same either way, so ranks
+// may decide differently).
+bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroSGDGroup>& groups);
+bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroAdamGroup>& groups);
 
 // ZeroRedundancyOptimizer for C++ programs: the parameter groups are partitioned as torch
 // partitions them, `make_local` builds this rank's optimizer over its share of each group (a
