@@ -129,11 +129,16 @@ def sgd_stores_none_momentum_buffer() -> bool:
     return _SGD_NONE_BUFFER[0]
 
 
-def functional_optimizer_classes() -> tuple:
-    """torch's functional optimizer classes (``torch.distributed.optim.utils.functional_optim_map``
-    values), which only ``overlap_with_ddp=True`` accepts."""
+def functional_optimizer_map() -> dict:
+    """``torch.distributed.optim.utils.functional_optim_map``: torch.optim classes -> torch's
+    functional optimizer classes (the optimizers ZeRO's ``overlap_with_ddp=True`` accepts)."""
     try:
         from torch.distributed.optim.utils import functional_optim_map
     except ImportError:  # pragma: no cover
-        return ()
-    return tuple(functional_optim_map.values())
+        return {}
+    return dict(functional_optim_map)
+
+
+def functional_optimizer_classes() -> tuple:
+    """torch's functional optimizer classes, which only ``overlap_with_ddp=True`` accepts."""
+    return tuple(functional_optimizer_map().values())

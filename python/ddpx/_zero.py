@@ -127,7 +127,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: the group to shard across (default: the default group).
         parameters_as_bucket_view: pack each rank's parameters into one flat tensor and make
             every ``param.data`` a view of it.
-        overlap_with_ddp: not supported yet by ddpx (raises ``NotImplementedError``).
+        overlap_with_ddp: run the step inside DDP's backward pass, through a comm hook made by
+            :func:`ddpx.hooks.hook_with_zero_step` or
+            :func:`ddpx.hooks.hook_with_zero_step_interleaved` (``step()`` then does nothing).
+            ``optimizer_class`` must have a functional form in torch, as torch requires.
         **defaults: forwarded to ``optimizer_class``.
 
     Example::
@@ -149,12 +152,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = self._verify_and_init_params(params)
         self._verify_same_dense_param_type()
         self._check_optimizer_class(optimizer_class, overlap_with_ddp)
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "ddpx.optim.ZeroRedundancyOptimizer does not support overlap_with_ddp=True yet; "
-                "pass overlap_with_ddp=False (the step then runs after backward, with its "
-                "exchange overlapped with the update), or use torch's ZeroRedundancyOptimizer "
-                "with torch's ddp_zero_hook")
+        optimizer_class = self._local_optimizer_class(optimizer_class, overlap_with_ddp)
+        if overlap_with_ddp and parameters_as_bucket_view:
+            logger.warning("`parameters_as_bucket_view=True` will be ignored since "
+                           "`overlap_with_ddp=True`; instead, a different bucketing strategy "
+                           "will be used")
         # Optimizer.__init__ calls add_param_group, which behaves differently once initialized.
         self.initialized = False
         Optimizer.__init__(self, params, defaults)
@@ -240,6 +242,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} when "
                              "`overlap_with_ddp=False`")
 
+    @staticmethod
+    def _local_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
+        """The class of the local optimizer. With ``overlap_with_ddp`` the optimizer must have a
+        functional form in torch (``torch.distributed.optim.utils.functional_optim_map``), as
+        torch requires; ddpx steps the shard with the ``torch.optim`` class itself (its fused
+        kernels for SGD / Adam / AdamW), so a functional class passed in is mapped back to it."""
+        if not overlap_with_ddp:
+            return optimizer_class
+        mapping = _compat.functional_optimizer_map()
+        if optimizer_class in mapping:
+            return optimizer_class
+        for optim_class, functional in mapping.items():
+            if optimizer_class is functional:
+                return optim_class
+        raise ValueError("Using `ddp_with_overlap=True` requires using a functional optimizer, "
+                         "but there is no supported functional optimizer equivalent for "
+                         f"{optimizer_class}")
+
     def _get_is_trainable_mask(self) -> List[bool]:
         return [_is_trainable(p) for p in self._all_params]
 
@@ -264,7 +284,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = self._index_to_param
         self._shards = _C.ZeroShards(
             params, owners, [_is_trainable(p) for p in params], self.process_group,
-            parameters_as_bucket_view=self.parameters_as_bucket_view,
+            parameters_as_bucket_view=self.parameters_as_bucket_view and not
+            self._overlap_with_ddp,
             bucket_cap_bytes=int(self.bucket_cap_bytes))
 
     @property
@@ -393,6 +414,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """This rank's shard of the update, then every parameter's exchange from its owner.
         Extra keyword arguments go to the local optimizer's ``step``. Returns the closure's loss.
         Every rank must call it."""
+        if self._overlap_with_ddp:
+            logger.warning("`step()` should not be included in the training loop when "
+                           "`overlap_with_ddp=True`")
+            return None
         Join.notify_join_context(self)
         mask = self._get_is_trainable_mask()
         if mask != self._is_trainable_mask:
@@ -412,7 +437,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
 
-    def _fused_step(self) -> bool:
+    def _fused_step(self, subset: Optional[List[int]] = None) -> bool:
         """The fused update-and-exchange for SGD / Adam / AdamW. False, having done nothing,
         where the local optimizer's own step must run: another class, an option the kernels lack
         (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
@@ -432,10 +457,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 if key != "params" and isinstance(value, torch.Tensor):
                     return False
         if kind is torch.optim.SGD:
-            return self._fused_sgd()
-        return self._fused_adam(kind is torch.optim.AdamW)
+            return self._fused_sgd(subset)
+        return self._fused_adam(kind is torch.optim.AdamW, subset)
 
-    def _fused_sgd(self) -> bool:
+    def _fused_sgd(self, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
         index = self._param_to_index
         specs, stepped = [], []
@@ -447,7 +472,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                           float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
                           float(group["weight_decay"]), bool(group["nesterov"]),
                           bool(group.get("maximize", False))))
-        result = self._shards.step_sgd(specs)
+        result = self._shards.step_sgd(specs, subset)
         if result is None:
             return False
         bufs_per_group, self._last_exchange = result
@@ -459,7 +484,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 state[p]["momentum_buffer"] = buf
         return True
 
-    def _fused_adam(self, adamw: bool) -> bool:
+    def _fused_adam(self, adamw: bool, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
         index = self._param_to_index
         specs = []
@@ -492,11 +517,41 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                           float(group["weight_decay"]), amsgrad,
                           bool(group.get("maximize", False)),
                           adamw or bool(group.get("decoupled_weight_decay", False))))
-        result = self._shards.step_adam(specs)
+        result = self._shards.step_adam(specs, subset)
         if result is None:
             return False
         self._last_exchange = result
         return True
+
+    def _step_params(self, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+        """The overlap with DDP (``ddpx.hooks.hook_with_zero_step*``): steps this rank's share of
+        ``params`` (one or more DDP buckets' parameters, the same list on every rank) with
+        ``grads`` (their reduced gradients), then exchanges those parameters. Called from the
+        comm hook, so the collectives go out in bucket order on every rank."""
+        if self._get_is_trainable_mask() != self._is_trainable_mask:
+            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` does not "
+                               "support changing parameter trainability at run time")
+        index = self._param_to_index
+        owner = self._param_to_rank
+        subset = [index[p] for p in params]
+        local = [p for group in self.optim.param_groups for p in group["params"]]
+        saved = [p.grad for p in local]
+        try:
+            # The local step sees exactly these gradients: only this rank's parameters of the
+            # bucket are stepped.
+            for p in local:
+                p.grad = None
+            for p, g in zip(params, grads):
+                if owner[p] == self.rank and p.requires_grad:
+                    p.grad = g.view_as(p)
+            self._sync_param_groups(self.param_groups, self.optim.param_groups)
+            if not self._fused_step(subset):
+                self.optim.step()
+                self._last_exchange = self._shards.exchange(subset)
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        finally:
+            for p, g in zip(local, saved):
+                p.grad = g
 
     # ---- Join ----------------------------------------------------------------------------
 
@@ -516,8 +571,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ---- checkpoints ---------------------------------------------------------------------
 
     def _check_overlap_initialized(self) -> None:
-        """torch's hook point for the delayed overlap_with_ddp initialisation (not supported by
-        ddpx yet, so always initialized)."""
+        """torch's check that its delayed ``overlap_with_ddp`` initialisation happened (torch
+        waits for DDP's rebuilt buckets before it can partition). ddpx's partition does not
+        depend on DDP's buckets, so it is always initialized: checkpoints work from the start."""
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers every rank's shard of the optimizer state to group rank ``to`` (on the CPU), so

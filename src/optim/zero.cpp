@@ -195,62 +195,92 @@ void ZeroShards::build_buckets() {
 }
 
 void ZeroShards::plan() {
+  if (!options_.parameters_as_bucket_view) {
+    std::vector<int64_t> all(params_.size());
+    std::iota(all.begin(), all.end(), int64_t{0});
+    plan_loose(all, chunks_, unchunked_);
+  } else {
+    plan_bucket_slices();
+  }
+  // Staging buffers live across exchanges when all of them together take at most two buckets
+  // (models with many small parameters: no allocation and page faults per step).
+  int64_t staged = 0;
+  for (const auto& chunks : chunks_) {
+    for (const Chunk& c : chunks) {
+      if (!c.bucket_slice.defined() && c.own_param < 0) {
+        staged += c.numel * static_cast<int64_t>(params_.front().element_size());
+      }
+    }
+  }
+  keep_staging_ = staged <= 2 * options_.bucket_cap_bytes;
+}
+
+// Bucket views: each rank's bucket cut into chunks of whole parameters, in place.
+void ZeroShards::plan_bucket_slices() {
   chunks_.assign(static_cast<size_t>(world_size_), {});
   unchunked_.clear();
   const int64_t cap = options_.bucket_cap_bytes;
   for (int64_t r = 0; r < world_size_; ++r) {
     std::vector<Chunk>& chunks = chunks_[r];
-    if (options_.parameters_as_bucket_view) {
-      for (const auto& per_rank : buckets_) {
-        const at::Tensor& bucket = per_rank[r];
-        const c10::Device device = bucket.device();
-        const int64_t elem = static_cast<int64_t>(bucket.element_size());
-        Chunk open;
-        open.owner = r;
-        open.device = device;
-        int64_t start = 0;
-        auto close = [&]() {
-          if (open.params.empty()) return;
-          open.bucket_slice = bucket.narrow(0, start, open.numel);
-          start += open.numel;
-          chunks.push_back(open);
-          open.params.clear();
-          open.numel = 0;
-          open.bucket_slice = at::Tensor();
-        };
-        for (size_t i = 0; i < params_.size(); ++i) {
-          if (owners_[i] != r || params_[i].device() != device || !trainable_[i]) continue;
-          const int64_t n = params_[i].numel();
-          if (!open.params.empty() && (open.numel + n) * elem > cap) close();
-          open.params.push_back(static_cast<int64_t>(i));
-          open.numel += n;
-        }
-        close();
+    for (const auto& per_rank : buckets_) {
+      const at::Tensor& bucket = per_rank[r];
+      const c10::Device device = bucket.device();
+      const int64_t elem = static_cast<int64_t>(bucket.element_size());
+      Chunk open;
+      open.owner = r;
+      open.device = device;
+      int64_t start = 0;
+      auto close = [&]() {
+        if (open.params.empty()) return;
+        open.bucket_slice = bucket.narrow(0, start, open.numel);
+        start += open.numel;
+        chunks.push_back(open);
+        open.params.clear();
+        open.numel = 0;
+        open.bucket_slice = at::Tensor();
+      };
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (owners_[i] != r || params_[i].device() != device || !trainable_[i]) continue;
+        const int64_t n = params_[i].numel();
+        if (!open.params.empty() && (open.numel + n) * elem > cap) close();
+        open.params.push_back(static_cast<int64_t>(i));
+        open.numel += n;
       }
-      if (r == rank_) {
-        for (size_t i = 0; i < params_.size(); ++i) {
-          if (owners_[i] == r && !trainable_[i]) unchunked_.push_back(static_cast<int64_t>(i));
-        }
-      }
-      continue;
+      close();
     }
+    if (r == rank_) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (owners_[i] == r && !trainable_[i]) unchunked_.push_back(static_cast<int64_t>(i));
+      }
+    }
+  }
+}
+
+void ZeroShards::plan_loose(const std::vector<int64_t>& indices,
+                            std::vector<std::vector<Chunk>>& table,
+                            std::vector<int64_t>& unchunked) const {
+  table.assign(static_cast<size_t>(world_size_), {});
+  unchunked.clear();
+  const int64_t cap = options_.bucket_cap_bytes;
+  for (int64_t r = 0; r < world_size_; ++r) {
+    std::vector<Chunk>& chunks = table[r];
     // Parameters in their own storage where large and contiguous; the rest packed per device.
     const int64_t inplace_min = std::min(cap / 4, kInplaceMinBytes);
     std::vector<Chunk> open;  // one per device, in order of first appearance
-    for (size_t i = 0; i < params_.size(); ++i) {
+    for (const int64_t i : indices) {
       if (owners_[i] != r) continue;
       const at::Tensor& p = params_[i];
       const int64_t bytes = nbytes(p);
       if (bytes == 0) {
-        if (r == rank_) unchunked_.push_back(static_cast<int64_t>(i));
+        if (r == rank_) unchunked.push_back(i);
         continue;
       }
       if (p.is_contiguous() && bytes >= inplace_min) {
         Chunk own;
         own.owner = r;
-        own.params = {static_cast<int64_t>(i)};
+        own.params = {i};
         own.numel = p.numel();
-        own.own_param = static_cast<int64_t>(i);
+        own.own_param = i;
         own.device = p.device();
         chunks.push_back(std::move(own));
         continue;
@@ -270,24 +300,13 @@ void ZeroShards::plan() {
         it->params.clear();
         it->numel = 0;
       }
-      it->params.push_back(static_cast<int64_t>(i));
+      it->params.push_back(i);
       it->numel += p.numel();
     }
     for (Chunk& c : open) {
       if (!c.params.empty()) chunks.push_back(std::move(c));
     }
   }
-  // Staging buffers live across exchanges when all of them together take at most two buckets
-  // (models with many small parameters: no allocation and page faults per step).
-  int64_t staged = 0;
-  for (const auto& chunks : chunks_) {
-    for (const Chunk& c : chunks) {
-      if (!c.bucket_slice.defined() && c.own_param < 0) {
-        staged += c.numel * static_cast<int64_t>(params_.front().element_size());
-      }
-    }
-  }
-  keep_staging_ = staged <= 2 * cap;
 }
 
 struct ZeroShards::Round {
@@ -300,12 +319,37 @@ struct ZeroShards::Round {
 };
 
 ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
+  return run(chunks_, unchunked_, update, keep_staging_);
+}
+
+ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update,
+                                       const std::vector<int64_t>& subset) {
+  TORCH_CHECK_VALUE(!options_.parameters_as_bucket_view,
+                    "ZeroShards: an exchange of some parameters needs "
+                    "parameters_as_bucket_view=false");
+  std::vector<char> seen(params_.size(), 0);
+  for (int64_t i : subset) {
+    TORCH_CHECK_VALUE(i >= 0 && i < static_cast<int64_t>(params_.size()),
+                      "ZeroShards::exchange: parameter index ", i, " out of range (",
+                      params_.size(), " parameters)");
+    TORCH_CHECK_VALUE(!seen[i], "ZeroShards::exchange: parameter ", i, " listed twice");
+    seen[i] = 1;
+  }
+  std::vector<std::vector<Chunk>> table;
+  std::vector<int64_t> unchunked;
+  plan_loose(subset, table, unchunked);
+  return run(table, unchunked, update, /*keep_staging=*/false);
+}
+
+ZeroExchangeStats ZeroShards::run(std::vector<std::vector<Chunk>>& table,
+                                  const std::vector<int64_t>& unchunked, const ChunkUpdate& update,
+                                  bool keep_staging) {
   ZeroExchangeStats stats;
   at::NoGradGuard no_grad;
-  if (update && !unchunked_.empty()) update(unchunked_);
+  if (update && !unchunked.empty()) update(unchunked);
   size_t rounds = 0;
-  for (const auto& chunks : chunks_) rounds = std::max(rounds, chunks.size());
-  const std::vector<Chunk>& mine = chunks_[rank_];
+  for (const auto& chunks : table) rounds = std::max(rounds, chunks.size());
+  const std::vector<Chunk>& mine = table[rank_];
   if (world_size_ == 1) {
     if (update) {
       for (const Chunk& c : mine) update(c.params);
@@ -331,8 +375,8 @@ ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
     if (update && k < mine.size()) update(mine[k].params);
     Round round;
     for (int64_t r = 0; r < world_size_; ++r) {
-      if (k >= chunks_[r].size()) continue;
-      Chunk& chunk = chunks_[r][k];
+      if (k >= table[r].size()) continue;
+      Chunk& chunk = table[r][k];
       Round::Item item{&chunk, at::Tensor(), {}};
       at::Tensor values;
       if (chunk.bucket_slice.defined()) {
@@ -345,11 +389,11 @@ ZeroExchangeStats ZeroShards::exchange(const ChunkUpdate& update) {
         values = values.view(-1);
         ++stats.inplace_broadcasts;
       } else {
-        if (keep_staging_ && chunk.staging.defined()) {
+        if (keep_staging && chunk.staging.defined()) {
           values = chunk.staging;
         } else {
           values = at::empty({chunk.numel}, at::TensorOptions().dtype(dtype).device(chunk.device));
-          if (keep_staging_) chunk.staging = values;
+          if (keep_staging) chunk.staging = values;
         }
         if (r == rank_) {
           int64_t offset = 0;
@@ -545,6 +589,24 @@ std::vector<std::vector<size_t>> picks_of(const std::vector<int64_t>& chunk, con
   return picks;
 }
 
+// The exchange the fused steps run: of every parameter, or of `subset`, which must then hold
+// every stepped parameter.
+template <typename Where>
+ZeroExchangeStats exchange_of(ZeroShards& shards, const Where& where,
+                              const ZeroShards::ChunkUpdate& update,
+                              const std::vector<int64_t>* subset) {
+  if (subset == nullptr) return shards.exchange(update);
+  std::vector<char> in(shards.params().size(), 0);
+  for (int64_t i : *subset) {
+    if (i >= 0 && i < static_cast<int64_t>(in.size())) in[i] = 1;
+  }
+  for (const auto& entry : where) {
+    TORCH_CHECK_VALUE(in[entry.first], "ZeroRedundancyOptimizer.step: parameter ", entry.first,
+                      " is stepped but not among the parameters exchanged");
+  }
+  return shards.exchange(update, *subset);
+}
+
 std::vector<at::Tensor> select(const std::vector<at::Tensor>& v, const std::vector<size_t>& at) {
   std::vector<at::Tensor> out;
   out.reserve(at.size());
@@ -554,7 +616,8 @@ std::vector<at::Tensor> select(const std::vector<at::Tensor>& v, const std::vect
 
 }  // namespace
 
-ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups) {
+ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups,
+                           const std::vector<int64_t>* subset) {
   std::vector<const std::vector<at::Tensor>*> lists;
   for (const auto& g : groups) {
     g.options.validate();
@@ -573,10 +636,11 @@ ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups
       for (size_t k = 0; k < picks[g].size(); ++k) group.momentum_buffers[picks[g][k]] = bufs[k];
     }
   };
-  return shards.exchange(update);
+  return exchange_of(shards, where, update, subset);
 }
 
-ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups) {
+ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups,
+                            const std::vector<int64_t>* subset) {
   std::vector<const std::vector<at::Tensor>*> lists;
   for (const auto& g : groups) {
     g.options.validate();
@@ -620,7 +684,7 @@ ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& grou
       }
     }
   };
-  return shards.exchange(update);
+  return exchange_of(shards, where, update, subset);
 }
 
 namespace {

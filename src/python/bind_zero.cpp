@@ -97,31 +97,34 @@ void bind_zero(py::module& m) {
            "Re-plans the exchange (and rebuilds bucket views) for a new trainability mask.")
       .def(
           "exchange",
-          [](optim::ZeroShards& self) {
+          [](optim::ZeroShards& self, const c10::optional<std::vector<int64_t>>& subset) {
             optim::ZeroExchangeStats s;
             {
               py::gil_scoped_release no_gil;
-              s = self.exchange();
+              s = subset ? self.exchange(nullptr, *subset) : self.exchange();
             }
             return stats_dict(s);
           },
-          "Every parameter takes its owner's values (blocking; every rank calls it).")
+          py::arg("subset") = py::none(),
+          "Every parameter (or those of `subset`, indices) takes its owner's values (blocking; "
+          "every rank calls it with the same subset).")
       .def(
           "step_sgd",
-          [](optim::ZeroShards& self, const py::list& groups) {
+          [](optim::ZeroShards& self, const py::list& groups,
+             const c10::optional<std::vector<int64_t>>& subset) {
             std::vector<optim::ZeroSGDGroup> gs;
             for (const py::handle& g : groups) gs.push_back(sgd_group(g));
             if (!optim::fused_step_supported(self, gs)) return py::object(py::none());
             optim::ZeroExchangeStats s;
             {
               py::gil_scoped_release no_gil;
-              s = optim::step_sgd(self, gs);
+              s = optim::step_sgd(self, gs, subset ? &*subset : nullptr);
             }
             py::list bufs;
             for (const auto& g : gs) bufs.append(to_py(g.momentum_buffers));
             return py::object(py::make_tuple(bufs, stats_dict(s)));
           },
-          py::arg("groups"),
+          py::arg("groups"), py::arg("subset") = py::none(),
           "Fused SGD step of this rank's shard and exchange. groups: (param indices, grads, "
           "momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, maximize) tuples. "
           "Returns (momentum buffers per group, stats), or None, having done nothing, where the "
@@ -129,18 +132,19 @@ void bind_zero(py::module& m) {
           "do not take these tensors (then: the optimizer's own step and exchange()).")
       .def(
           "step_adam",
-          [](optim::ZeroShards& self, const py::list& groups) {
+          [](optim::ZeroShards& self, const py::list& groups,
+             const c10::optional<std::vector<int64_t>>& subset) {
             std::vector<optim::ZeroAdamGroup> gs;
             for (const py::handle& g : groups) gs.push_back(adam_group(g));
             if (!optim::fused_step_supported(self, gs)) return py::object(py::none());
             optim::ZeroExchangeStats s;
             {
               py::gil_scoped_release no_gil;
-              s = optim::step_adam(self, gs);
+              s = optim::step_adam(self, gs, subset ? &*subset : nullptr);
             }
             return py::object(stats_dict(s));
           },
-          py::arg("groups"),
+          py::arg("groups"), py::arg("subset") = py::none(),
           "Fused Adam/AdamW step of this rank's shard and exchange; state tensors (created "
           "beforehand) are updated in place. groups: (param indices, grads, exp_avgs, "
           "exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, amsgrad, "

@@ -98,6 +98,10 @@ class ZeroShards {
   // chunk as described above; the owned parameters in no chunk (not trainable, with bucket
   // views) are passed to one call first. Blocks until done. Every rank must call it.
   ZeroExchangeStats exchange(const ChunkUpdate& update = nullptr);
+  // The same for the parameters `subset` only (indices into params(); every rank passes the same
+  // list), chunked for this call: the overlap with DDP steps and exchanges one DDP bucket's
+  // parameters at a time. Needs parameters_as_bucket_view = false.
+  ZeroExchangeStats exchange(const ChunkUpdate& update, const std::vector<int64_t>& subset);
 
   // Gathers each rank's `tensors` (dense; any dtype, shapes and count per rank) to group rank
   // `to`, in bulk: each other rank sends one buffer (its tensors packed) straight to `to`, and
@@ -126,6 +130,14 @@ class ZeroShards {
 
   void build_buckets();
   void plan();
+  void plan_bucket_slices();
+  // Chunks of the parameters `indices` (each with its owner) as the exchange without bucket
+  // views sends them; `unchunked` gets this rank's parameters with nothing to send.
+  void plan_loose(const std::vector<int64_t>& indices, std::vector<std::vector<Chunk>>& table,
+                  std::vector<int64_t>& unchunked) const;
+  ZeroExchangeStats run(std::vector<std::vector<Chunk>>& table,
+                        const std::vector<int64_t>& unchunked, const ChunkUpdate& update,
+                        bool keep_staging);
   at::Tensor data(int64_t index) const;
 
   std::vector<at::Tensor> params_;
@@ -166,8 +178,12 @@ struct ZeroAdamGroup {
   bool decoupled_weight_decay = false;  // AdamW
 };
 
-ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups);
-ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups);
+// With `subset` (as ZeroShards::exchange's), only those parameters are exchanged, and every
+// stepped parameter must be one of them.
+ZeroExchangeStats step_sgd(ZeroShards& shards, std::vector<ZeroSGDGroup>& groups,
+                           const std::vector<int64_t>* subset = nullptr);
+ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& groups,
+                            const std::vector<int64_t>* subset = nullptr);
 
 // Whether the fused steps take these groups: every stepped parameter float32/float64 and
 // contiguous, its gradient dense and contiguous with the parameter's dtype, device and shape, its

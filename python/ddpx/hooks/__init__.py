@@ -6,7 +6,8 @@ accepts (drop-in), and also carries the factory of its C++ object so that
 
 The modules follow torch's ``torch.distributed.algorithms.ddp_comm_hooks``, each family's state
 beside its hooks: ``default_hooks`` (the default hooks, the compress wrappers, ``noop_hook``),
-``powerSGD_hook`` and ``post_localSGD_hook``; ``_native`` is the machinery they share (see its
+``powerSGD_hook``, ``post_localSGD_hook`` and ``ddp_zero_hook`` (ZeRO's overlap with DDP);
+``_native`` is the machinery they share (see its
 docstring for the state protocol a new hook's state implements). As before, the attributes
 ``ddpx.hooks.powerSGD_hook`` and ``ddpx.hooks.post_localSGD_hook`` are the hook *functions*;
 import the modules of the same name with ``from ddpx.hooks.powerSGD_hook import ...``.
@@ -16,6 +17,7 @@ from .default_hooks import (allreduce_hook, bf16_compress_hook, bf16_compress_wr
                             fp16_compress_hook, fp16_compress_wrapper, noop_hook)
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 
 __all__ = [
     "allreduce_hook",
@@ -29,6 +31,8 @@ __all__ = [
     "batched_powerSGD_hook",
     "PostLocalSGDState",
     "post_localSGD_hook",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
     "register_comm_hook",
     "native_hook",
 ]
