@@ -15,7 +15,9 @@ Every configuration in ``CONFIGS`` trains the same MLP from the same initial wei
 data order, and the table reports test accuracy (all ranks), median ms per training step after
 warm-up, the compression (payload against an fp32 allreduce; PowerSGD: the state's
 compression_stats()), the modelled bytes each rank sends per step (from the buckets DDP really
-built; PowerSGD: from the numel after compression), and the final training loss. Adding a hook to the table = adding one ``Config`` to ``CONFIGS``.
+built; PowerSGD: from the numel after compression), the bytes of each rank's optimizer state at
+the end (ZeroRedundancyOptimizer: its local shard), and the final training loss. Adding a hook to
+the table = adding one ``Config`` to ``CONFIGS``.
 
 Outputs (rank 0): out/results.md, out/results.json, out/loss_curves.png.
 """
@@ -38,6 +40,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
@@ -72,6 +75,9 @@ class WireContext:
     compressed_numel: Optional[int] = None
     # Post-local SGD rows: what the run did (see wire_post_local_sgd).
     local_sgd: Optional["LocalSGDRun"] = None
+    # ZeroRedundancyOptimizer rows: bytes of the parameters each rank owns (updates and
+    # broadcasts), from the local optimizer's param_groups, one entry per rank.
+    zero_shard_bytes: Optional[List[int]] = None
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -150,6 +156,23 @@ def wire_post_local_sgd(buckets: List[Bucket], ctx: WireContext) -> float:
             + s.averaging_steps * params) / s.steps
 
 
+def wire_zero(buckets: List[Bucket], ctx: WireContext) -> float:
+    """ZeroRedundancyOptimizer (stage 1) behind DDP's default allreduce: the fp32 ring allreduce
+    of the gradients, then each rank broadcasts the parameters it updated to the W-1 others.
+    Every parameter reaches each non-owner once, so the ranks together send (W-1) x the
+    parameter bytes, whatever the broadcast algorithm: (W-1)/W x parameter bytes per rank on
+    average (the owner of more parameters sends more)."""
+    shards = ctx.zero_shard_bytes or []
+    return wire_fp32_allreduce(buckets, ctx) + (ctx.world - 1) * sum(shards) / ctx.world
+
+
+def wire_zero_powersgd(buckets: List[Bucket], ctx: WireContext) -> float:
+    """ZeRO overlapped with PowerSGD: PowerSGD's fp32 factors (wire_powersgd_fp32) + the
+    parameter exchange of wire_zero."""
+    shards = ctx.zero_shard_bytes or []
+    return wire_powersgd_fp32(buckets, ctx) + (ctx.world - 1) * sum(shards) / ctx.world
+
+
 WIRE_FOOTNOTES = {
     wire_fp32_allreduce: "fp32 ring allreduce: 2(W-1)/W x numel x 4",
     wire_torch_16bit: "16-bit ring allreduce: 2(W-1)/W x numel x 2",
@@ -170,6 +193,13 @@ WIRE_FOOTNOTES = {
                           "averager allreduced the parameters (every `period` steps after the "
                           "warm-up); the steady state after the warm-up is 1/period of an "
                           "allreduce step (results.json: local_sgd)"),
+    wire_zero_powersgd: ("ZeRO overlapped with PowerSGD: PowerSGD's factors as above + the "
+                         "parameter exchange as for ZeroRedundancyOptimizer"),
+    wire_zero: ("ZeroRedundancyOptimizer: fp32 ring allreduce of the gradients 2(W-1)/W x "
+                "numel x 4 + the parameter exchange, **mean over ranks**: each rank broadcasts "
+                "the parameters it owns to the W-1 others, (W-1)/W x param numel x 4 on average "
+                "(a rank sends (W-1) x its shard's bytes with direct sends; per rank in "
+                "results.json: zero)"),
 }
 
 
@@ -203,6 +233,11 @@ class Config:
     # Post-local SGD rows: the hook's state is a PostLocalSGDState and the optimizer a
     # PostLocalSGDOptimizer; bytes/step and compression come from what the run did.
     local_sgd: bool = False
+    # ZeroRedundancyOptimizer rows: the optimizer shards its state; bytes/step add the
+    # parameter exchange (wire_zero) and compression is an allreduce step's bytes / the row's.
+    zero: bool = False
+    # The optimizer steps inside the comm hook (ZeRO's overlap_with_ddp): no opt.step() call.
+    overlap: bool = False
 
 
 StateFactory = Callable[[argparse.Namespace], Any]
@@ -303,6 +338,43 @@ def local_sgd(name: str, registration: str, ddpx_side: bool) -> Config:
                   make_optimizer=make_optimizer, local_sgd=True)
 
 
+def zero_row(name: str, ddpx_side: bool, **zero_kw) -> Config:
+    """A ZeroRedundancyOptimizer row: DDP's default allreduce, and the same SGD (lr, momentum
+    0.9) as every other row as ZeRO's optimizer_class over ddp.parameters(), so that each rank
+    keeps the momentum of its shard only; torch's class for the torch row, ddpx's (looked up
+    when the row runs, so an older ddpx fails that row only) for the ddpx rows."""
+    def make_optimizer(ddp: DDP, args: argparse.Namespace) -> torch.optim.Optimizer:
+        cls = ddpx.optim.ZeroRedundancyOptimizer if ddpx_side else TorchZeroRedundancyOptimizer
+        return cls(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=args.lr, momentum=0.9,
+                   **zero_kw)
+
+    return Config(name, "DDP default", None, wire_zero, make_optimizer=make_optimizer,
+                  zero=True)
+
+
+def zero_overlap_powersgd(name: str, rank: int) -> Config:
+    """ddpx's ZeroRedundancyOptimizer(overlap_with_ddp=True) stepping inside ddpx's
+    powerSGD_hook (rank `rank`, from --powersgd-start) through ddpx.hooks.hook_with_zero_step:
+    the same SGD as every row, each rank updating and broadcasting its shard as the last bucket's
+    hook runs. The PowerSGD state is the row's state (compression statistics)."""
+    made: Dict[int, Any] = {}
+
+    def register(ddp: DDP, args: argparse.Namespace) -> Any:
+        st = powersgd_state(H.PowerSGDState, rank)(args)
+        zero = ddpx.optim.ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=args.lr,
+            momentum=0.9)
+        ddp.register_comm_hook(st, H.hook_with_zero_step(H.powerSGD_hook, ddp, zero))
+        made[id(ddp)] = zero
+        return st
+
+    def make_optimizer(ddp: DDP, args: argparse.Namespace) -> torch.optim.Optimizer:
+        return made.pop(id(ddp))
+
+    return Config(f"{name} r={rank}", "drop-in", register, wire_zero_powersgd, powersgd=True,
+                  make_optimizer=make_optimizer, zero=True, overlap=True)
+
+
 CONFIGS: List[Config] = [
     Config("no hook", "DDP default", None, wire_fp32_allreduce),
     Config("torch allreduce_hook", "drop-in", drop_in(torch_hooks.allreduce_hook),
@@ -338,6 +410,19 @@ CONFIGS: List[Config] = [
     local_sgd("torch post_localSGD_hook + PostLocalSGDOptimizer", "drop-in", ddpx_side=False),
     local_sgd("ddpx post_localSGD_hook + PostLocalSGDOptimizer", "drop-in", ddpx_side=True),
     local_sgd("ddpx post_localSGD_hook + PostLocalSGDOptimizer", "native", ddpx_side=True),
+    # ZeRO stage 1: DDP's allreduce, then each rank steps SGD on the parameters it owns and
+    # broadcasts them. Same SGD on the same allreduced gradients, so the same result as "no
+    # hook": checked, all three end with final weights bit-identical to no hook's (97.50%,
+    # 6 epochs, torch 2.11 and 1.13; ddpx's fused SGD kernel included). Their optimizer state is
+    # split by torch's whole-tensor partition: the 512x512 weight (87% of the parameters) on
+    # one rank, the other five tensors on the other (see the "opt state/rank" column).
+    zero_row("torch ZeroRedundancyOptimizer", ddpx_side=False),
+    zero_row("ddpx ZeroRedundancyOptimizer", ddpx_side=True),
+    zero_row("ddpx ZeroRedundancyOptimizer, bucket view", ddpx_side=True,
+              parameters_as_bucket_view=True),
+    # The step overlapped with the backward pass, inside ddpx's PowerSGD hook (torch's overlap
+    # refuses Gloo): the same trajectory as "ddpx powerSGD_hook r=2".
+    zero_overlap_powersgd("ddpx ZeRO overlap_with_ddp + powerSGD_hook", 2),
     Config("ddpx noop_hook", "native", native(H.noop_hook), wire_none, compression=None,
            synchronises=False),
 ]
@@ -431,6 +516,26 @@ def make_ddp(model: nn.Module, device: torch.device, one_bucket: bool = False) -
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved
 
 
+def inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: a ZeroRedundancyOptimizer's `.optim` (the
+    local optimizer of the rank's shard), a PostLocalSGDOptimizer's wrapped optimizer (`.optim`,
+    torch's and ddpx's), otherwise the optimizer itself."""
+    while isinstance(getattr(opt, "optim", None), torch.optim.Optimizer):
+        opt = opt.optim
+    return opt
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a (nested) optimizer state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 class Run:
     """One configuration's training: its own model (same initial weights as every other), DDP
     wrapper, hook and optimizer. All runs advance together, one step each in turn, on the same
@@ -485,7 +590,8 @@ class Run:
         self.opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(self.ddp(xb), yb)
         loss.backward()
-        self.opt.step()
+        if not self.cfg.overlap:
+            self.opt.step()
         if sync:
             torch.cuda.synchronize(self.device)
         self.step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -555,6 +661,32 @@ class Run:
         buckets = bucket_layout(self.ddp, self.model)
         cfg = self.cfg
         compression = cfg.compression
+        # "opt state/rank": bytes of the tensors in each rank's optimizer state at the end (SGD:
+        # a momentum buffer per parameter it updates), and which parameters each rank's
+        # (innermost) optimizer updates: ZeRO's local shard, all of them otherwise.
+        inner = inner_optimizer(self.opt)
+        params = list(self.model.parameters())
+        updates = {id(p) for g in inner.param_groups for p in g["params"]}
+        per_rank = torch.zeros(3, world, dtype=torch.float64, device=self.device)
+        per_rank[0, rank] = tensor_bytes(list(inner.state.values()))
+        per_rank[1, rank] = sum(p.numel() * p.element_size() for p in params if id(p) in updates)
+        per_rank[2, rank] = sum(1 for p in params if id(p) in updates)
+        owners = torch.tensor([float(id(p) in updates) for p in params], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(per_rank)
+        dist.all_reduce(owners)  # ranks that update each parameter
+        state_bytes = [int(v) for v in per_rank[0].tolist()]
+        if cfg.zero:
+            shard_bytes = [int(v) for v in per_rank[1].tolist()]
+            ctx = dataclasses.replace(ctx, zero_shard_bytes=shard_bytes)
+            compression = wire_fp32_allreduce(buckets, ctx) / cfg.wire(buckets, ctx)
+            self.row["zero"] = dict(
+                shard_param_bytes_per_rank=shard_bytes,
+                shard_params_per_rank=[int(v) for v in per_rank[2].tolist()],
+                # ZeRO's partition: every parameter updated (and broadcast) by exactly one rank.
+                every_param_owned_once=bool((owners == 1).all()),
+                param_exchange_bytes_per_step_per_rank=[(world - 1) * b for b in shard_bytes],
+            )
         if cfg.powersgd:
             rate, before, after = self.state.compression_stats()
             compressed = [n for n in self.numel_after if n > 0]
@@ -586,6 +718,7 @@ class Run:
             bytes_per_step=cfg.wire(buckets, ctx),
             wire_model=WIRE_FOOTNOTES.get(cfg.wire, cfg.wire.__doc__ or cfg.wire.__name__),
             final_loss=self.epoch_loss[-1],
+            opt_state_bytes_per_rank=state_bytes,
             loss_curve=self.epoch_loss,
             step_loss=(step_loss / world).tolist(),
             steps=len(self.step_ms),
@@ -641,7 +774,9 @@ def train_all(configs: List[Config], args, make_model, data, device, ctx: WireCo
             log(f"  {row['hook']:50s} {row['registration']:12s} acc "
                 f"{100 * row['test_acc']:6.2f}%  {row['ms_per_step']:7.2f} ms/step  "
                 f"{fmt_compression(row['compression']):>7s}  "
-                f"{row['bytes_per_step']:>12,.0f} B/step  loss {row['final_loss']:.5f}")
+                f"{row['bytes_per_step']:>12,.0f} B/step  "
+                f"opt state {fmt_state(row['opt_state_bytes_per_rank']):>13s}  "
+                f"loss {row['final_loss']:.5f}")
     return rows
 
 
@@ -658,24 +793,38 @@ def fmt_compression(c: Optional[float]) -> str:
     return f"{c:.0f}x" if c == int(c) else f"{c:.1f}x"
 
 
+def fmt_state(per_rank: List[int]) -> str:
+    """Optimizer-state bytes per rank: one figure where the ranks agree, else rank 0 / rank 1 /
+    ... (max / min beyond 4 ranks)."""
+    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
+    if len(set(per_rank)) == 1:
+        return f"{mib(per_rank[0])} MiB"
+    if len(per_rank) <= 4:
+        return " / ".join(map(mib, per_rank)) + " MiB"
+    return f"max {mib(max(per_rank))} / min {mib(min(per_rank))} MiB"
+
+
 def render_markdown(rows, meta) -> str:
     lines = [
         f"### ddpx main job: digits MLP, {meta['world']} ranks, {meta['backend']} on "
         f"{meta['device_type']}, torch {meta['torch']}",
         "",
-        "| hook | registration | test acc | ms/step | compression | bytes sent/step | final loss |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| hook | registration | test acc | ms/step | compression | bytes sent/step "
+        "| opt state/rank | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     marks: Dict[str, str] = {}
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['hook']} | {r['registration']} | {r['note']} | — | — | — | — |")
+            lines.append(f"| {r['hook']} | {r['registration']} | {r['note']} | — | — | — | — "
+                         "| — |")
             continue
         mark = marks.setdefault(r["wire_model"], "*" * (len(marks) + 1))
         lines.append(
             f"| {r['hook']} | {r['registration']} | {100 * r['test_acc']:.2f}% | "
             f"{r['ms_per_step']:.2f} | {fmt_compression(r['compression'])} | "
-            f"{fmt_bytes(r['bytes_per_step'])}{mark} | {r['final_loss']:.5f} |")
+            f"{fmt_bytes(r['bytes_per_step'])}{mark} | "
+            f"{fmt_state(r['opt_state_bytes_per_rank'])} | {r['final_loss']:.5f} |")
     lines += ["", f"Model: MLP {meta['model']} ({meta['n_params']:,} parameters), DDP buckets "
               f"(numel, dtype as DDP's Reducer built them): {meta['buckets']}; "
               f"{meta['epochs']} epochs, batch {meta['batch_size']} per rank, "
@@ -693,11 +842,20 @@ def render_markdown(rows, meta) -> str:
                  "the fp16/bf16 hooks, 1x for the other allreduces, — for noop (sends nothing); "
                  "PowerSGD rows: the state's `compression_stats()` rate (numel before / numel "
                  "after compression, over the compressed steps; the uncompressed 1-D biases "
-                 "included), times 2 for fp16_compress_wrapper(powerSGD_hook).")
+                 "included), times 2 for fp16_compress_wrapper(powerSGD_hook); post-local "
+                 "SGD and ZeroRedundancyOptimizer rows: an fp32 allreduce step's bytes / the "
+                 "row's bytes sent per step (ZeRO sends the gradient allreduce and the parameter "
+                 "exchange: below 1x).")
     lines.append("- bytes sent/step: bytes one rank sends per step, **a model, not a measurement**"
                  f", summed over the buckets above (W = {meta['world']} ranks):")
     for model_text, mark in marks.items():
         lines.append(f"  - {mark.replace('*', chr(92) + '*')} {model_text}")
+    lines.append("- opt state/rank: bytes of the tensors in each rank's optimizer state at the end "
+                 "of training (SGD momentum: one buffer per parameter the rank updates), "
+                 "measured from the state tensors: the optimizer's `state`, the wrapped "
+                 "optimizer's for PostLocalSGDOptimizer, the local shard's (`.optim.state`) for "
+                 "ZeroRedundancyOptimizer; one figure where all ranks agree, else rank 0 / rank 1 "
+                 "(exact bytes per rank in results.json: opt_state_bytes_per_rank).")
     if meta.get("powersgd_start") is not None:
         lines.append(
             f"- PowerSGD rows: rank r = matrix_approximation_rank, start_powerSGD_iter = "
@@ -898,6 +1056,37 @@ def main(argv=None) -> int:
                              + ", ".join(f"{r['hook']} ({r['registration']}) "
                                          f"{100 * (r['test_acc'] - base['test_acc']):+.2f}"
                                          for r in lsgd))
+        zrows = [r for r in rows if r["status"] == "ok" and "zero" in r]
+        if zrows:
+            z = zrows[0]["zero"]
+            shard, total = z["shard_param_bytes_per_rank"], sum(z["shard_param_bytes_per_rank"])
+            same_split = all(r["zero"]["shard_param_bytes_per_rank"] == shard for r in zrows)
+            largest = max(v.numel() for v in init_state.values()) / n_params
+            unsharded = (max(base["opt_state_bytes_per_rank"]) if base["status"] == "ok"
+                         else None)
+            sums_ok = unsharded is not None and all(
+                sum(r["opt_state_bytes_per_rank"]) == unsharded for r in zrows)
+            notes.append(
+                "ZeroRedundancyOptimizer rows: ZeRO stage 1 over ddp.parameters() with "
+                f"optimizer_class=torch.optim.SGD (lr {args.lr}, momentum 0.9, as every row), "
+                "DDP's default allreduce; each rank keeps the momentum of, updates and "
+                "broadcasts the parameters it owns. The partition (torch's: whole tensors, "
+                "largest first, each to the least-loaded rank"
+                + ("" if same_split else "; it differs between the ZeRO rows, see results.json")
+                + ") gives the ranks " + " / ".join(str(n) for n in z["shard_params_per_rank"])
+                + " parameter tensors, " + " / ".join(f"{100 * b / total:.1f}%" for b in shard)
+                + f" of the parameter bytes: the largest tensor alone is {100 * largest:.1f}% "
+                "of them and is not split, so the largest shard is well above 1/W. Every "
+                "parameter updated by exactly one rank: "
+                + ("yes" if all(r["zero"]["every_param_owned_once"] for r in zrows) else
+                   "NO: " + ", ".join(f"{r['hook']} ({r['registration']})" for r in zrows
+                                      if not r["zero"]["every_param_owned_once"]))
+                + "; optimizer state summed over the ranks = the unsharded SGD state of no "
+                "hook" + (f" ({unsharded:,} B): " + ("yes" if sums_ok else "NO")
+                          if unsharded is not None else ": not checked (no baseline)")
+                + (". Test accuracy minus no hook's, in points: "
+                   + ", ".join(f"{r['hook']} {100 * (r['test_acc'] - base['test_acc']):+.2f}"
+                               for r in zrows) if base["status"] == "ok" else ""))
         unsynced = [f"{r['hook']} ({r['registration']})" for r in rows
                     if r["status"] == "ok" and r["replica_spread"] > 0]
         notes.append("replicas differ across ranks at the end (expected for noop only): "
