@@ -77,14 +77,6 @@ MMAP_THRESHOLD = "131072"
 
 
 # ---- memory probes --------------------------------------------------------------------------
-def _status_kib(*keys: str) -> Dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in keys:
-                out[k] = int(v.split()[0])
-    return out
 
 
 class CpuMem:
@@ -93,10 +85,10 @@ class CpuMem:
     def start(self) -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current VmRSS
-        self.rss0 = _status_kib("VmRSS")["VmRSS"] * 1024
+        self.rss0 = bc.status_kib("VmRSS")["VmRSS"] * 1024
 
     def stop(self) -> Dict[str, int]:
-        s = _status_kib("VmRSS", "VmHWM")
+        s = bc.status_kib("VmRSS", "VmHWM")
         return {"extra": s["VmHWM"] * 1024 - self.rss0, "retained": s["VmRSS"] * 1024 - self.rss0,
                 "base": self.rss0}
 

@@ -265,3 +265,15 @@ def report_failed(runs: List[dict]) -> int:
         print(f"\nverify FAILED: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def status_kib(*keys: str) -> Dict[str, int]:
+    """Fields of /proc/self/status in KiB (e.g. "VmRSS", "VmHWM"): the memory probes of
+    bench_averaging.py and bench_zero.py."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[k] = int(v.split()[0])
+    return out

@@ -135,18 +135,10 @@ def slot_labels(impls: List[str]) -> List[str]:
 
 
 # ---- memory probes --------------------------------------------------------------------------
-def _status_kib(*keys: str) -> Dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in keys:
-                out[k] = int(v.split()[0])
-    return out
 
 
 def _rss() -> int:
-    return _status_kib("VmRSS")["VmRSS"] * 1024
+    return bc.status_kib("VmRSS")["VmRSS"] * 1024
 
 
 class PeakProbe:
@@ -179,7 +171,7 @@ class PeakProbe:
 
     def stop(self) -> Dict[str, int]:
         if self.method.startswith("/proc"):
-            s = _status_kib("VmRSS", "VmHWM")
+            s = bc.status_kib("VmRSS", "VmHWM")
             rss, peak = s["VmRSS"] * 1024, s["VmHWM"] * 1024
         else:
             self.stop_evt.set()
