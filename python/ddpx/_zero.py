@@ -593,8 +593,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             skeleton = _split_tensors(local, tensors)
             blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
             payload = [torch.frombuffer(bytearray(blob), dtype=torch.uint8)] + tensors
-        device = self._default_device
-        received = self._shards.gather(to, payload, device)
+        received = self._shards.gather(to, payload, self._comm_device())
         if self.rank != to:
             return
         for rank in range(self.world_size):
@@ -604,6 +603,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             blob, *tensors = received[rank]
             skeleton = pickle.loads(blob.cpu().numpy().tobytes())
             self._all_state_dicts.append(_join_tensors(skeleton, [t.cpu() for t in tensors]))
+
+    def _comm_device(self) -> torch.device:
+        """Where point-to-point bytes travel: the parameters' device for NCCL (GPU only), the CPU
+        for Gloo (whose send/recv take CPU tensors)."""
+        if self._default_device.type == "cpu":
+            return self._default_device
+        backend = str(dist.get_backend(self.process_group)).lower()
+        return self._default_device if backend == "nccl" else torch.device("cpu")
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole optimizer state (global parameter indices) as last consolidated to this
