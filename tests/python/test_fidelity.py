@@ -46,6 +46,8 @@ MODULES = [
     (f"{_AVG}.hierarchical_model_averager", "ddpx.model_averaging"),
     (f"{_AVG}.utils", "ddpx.model_averaging"),
     ("torch.distributed.optim.post_localSGD_optimizer", "ddpx.optim"),
+    ("torch.distributed.optim.zero_redundancy_optimizer", "ddpx.optim"),
+    (f"{_HOOKS}.ddp_zero_hook", "ddpx.hooks.ddp_zero_hook"),
 ]
 
 # ---- allow-lists: every deliberate difference, with its reason -------------------------------
@@ -88,6 +90,11 @@ EXTRA_MEMBERS: Dict[str, Dict[str, str]] = {
     "PostLocalSGDOptimizer": {
         "defaults": "the wrapped optimizer's, read through (torch's wrapper has none, so tools "
                     "reading optimizer.defaults fail on it)",
+    },
+    "ZeroRedundancyOptimizer": {
+        "bucket_cap_bytes": "the exchange packs small parameters into broadcasts of at most this "
+                            "many bytes (torch: one broadcast per tensor); a class attribute, so "
+                            "the constructor keeps torch's signature",
     },
 }
 
@@ -145,7 +152,10 @@ def _params(fn) -> List[Tuple[str, str, Any]]:
     out = []
     for p in inspect.signature(fn).parameters.values():
         default = "<required>" if p.default is inspect.Parameter.empty else p.default
-        out.append((p.name, p.kind.name, default))
+        # No caller can name *args / **kwargs (torch itself renamed ZeRO's join_hook(**kwargs)
+        # to **_kwargs in 2.x): only their kind counts.
+        var = p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        out.append(("*" if var else p.name, p.kind.name, default))
     return out
 
 
@@ -414,7 +424,18 @@ def _optimizers(rank: int) -> Dict[str, Any]:
                      "repr": repr(opt), **_instance(opt, TorchOpt)}
         objs.append(opt)
     res["torch"]["attrs"], res["ddpx"]["attrs"] = _attrs(objs[0], objs[1], TorchOpt)
-    return {"PostLocalSGDOptimizer": res}
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    zres, zobjs = {}, []
+    for side, cls in (("torch", TorchZero), ("ddpx", ddpx.optim.ZeroRedundancyOptimizer)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = cls(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        zres[side] = {"repr": repr(opt), **_instance(opt, TorchZero)}
+        zobjs.append(opt)
+    zres["torch"]["attrs"], zres["ddpx"]["attrs"] = _attrs(zobjs[0], zobjs[1], TorchZero)
+    return {"PostLocalSGDOptimizer": res, "ZeroRedundancyOptimizer": zres}
 
 
 def _constructor_cases(world_size: int):
@@ -465,7 +486,8 @@ def audit() -> Dict[str, Any]:
 
 
 INSTANCE_CLASSES = ["PowerSGDState", "PostLocalSGDState", "ModelAverager", "PeriodicModelAverager",
-                    "HierarchicalModelAverager", "PostLocalSGDOptimizer"]
+                    "HierarchicalModelAverager", "PostLocalSGDOptimizer",
+                    "ZeroRedundancyOptimizer"]
 
 
 @pytest.mark.parametrize("name", INSTANCE_CLASSES)

@@ -125,6 +125,7 @@ MODULES = {
                       "fp16_compress_wrapper", "bf16_compress_wrapper", "noop_hook"],
     "powerSGD_hook": ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"],
     "post_localSGD_hook": ["PostLocalSGDState", "post_localSGD_hook"],
+    "ddp_zero_hook": ["hook_with_zero_step", "hook_with_zero_step_interleaved"],
     "_native": ["register_comm_hook", "native_hook"],
 }
 
