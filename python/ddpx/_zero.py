@@ -49,40 +49,34 @@ class _TensorSlot:
         return (_TensorSlot, (self.index,))
 
 
-def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`_TensorSlot` (appended to ``tensors``)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return _TensorSlot(len(tensors) - 1)
+def _map_tensors(obj: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) -> Any:
+    """``obj`` with every ``leaf`` instance replaced by ``fn(it)``; dicts, lists and tuples
+    rebuilt, anything else kept."""
+    if isinstance(obj, leaf):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _split_tensors(v, tensors) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn, leaf) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [_split_tensors(v, tensors) for v in obj]
+        items = [_map_tensors(v, fn, leaf) for v in obj]
         return items if isinstance(obj, list) else tuple(items)
     return obj
+
+
+def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a :class:`_TensorSlot` (appended to ``tensors``)."""
+    def slot(t: torch.Tensor) -> _TensorSlot:
+        tensors.append(t.detach())
+        return _TensorSlot(len(tensors) - 1)
+    return _map_tensors(obj, slot)
 
 
 def _join_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _join_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_join_tensors(v, tensors) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+    return _map_tensors(obj, lambda s: tensors[s.index], leaf=_TensorSlot)
 
 
 def _to_cpu(obj: Any) -> Any:
     """Tensors moved to the CPU (no copy for CPU tensors, as torch's ZeRO), containers rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_to_cpu(v) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+    return _map_tensors(obj, lambda t: t.cpu())
 
 
 def _is_trainable(param: torch.Tensor) -> bool:
