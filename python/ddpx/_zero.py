@@ -22,6 +22,20 @@ logger = logging.getLogger(__name__)
 # Exchange granularity (see ZeroRedundancyOptimizer.bucket_cap_bytes).
 _DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
+_PARTITIONS = ("sorted_greedy", "balanced")
+# Cuts of the balanced partition fall on multiples of this many elements within a parameter.
+_BALANCED_ALIGN = 32
+
+
+def _elementwise_optimizers() -> tuple:
+    """The torch.optim classes whose update of an element depends only on that element (and on
+    per-parameter scalars such as the step count): the balanced partition may split their
+    parameters. LBFGS (global line search), SparseAdam (sparse) and Adafactor (row and column
+    factors) are not."""
+    names = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+             "RMSprop", "Rprop")
+    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
 
 class _ZeROJoinHook(JoinHook):
     """Shadows the collectives of :meth:`ZeroRedundancyOptimizer.step` for a rank that has run out
@@ -125,6 +139,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             :func:`ddpx.hooks.hook_with_zero_step` or
             :func:`ddpx.hooks.hook_with_zero_step_interleaved` (``step()`` then does nothing).
             ``optimizer_class`` must have a functional form in torch, as torch requires.
+        partition: (keyword only; ddpx's) ``"sorted_greedy"`` (default): torch's partition,
+            whole tensors, results identical to torch's class. ``"balanced"``: each parameter
+            group's elements are laid end to end and cut into equal shares, so a large tensor is
+            split between ranks (each rank's share of it is a slice of its flattened values, with
+            its own state) and every rank holds an even share of the state (within 32 elements
+            per cut). For optimizers whose update is elementwise only (SGD, Adam, AdamW, Adagrad,
+            Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop); checkpoints keep torch's
+            per-parameter layout, so they load at any world size and into either partition.
         **defaults: forwarded to ``optimizer_class``.
 
     Example::
@@ -142,11 +164,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def __init__(self, params, optimizer_class: Any, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 **defaults: Any):
+                 *, partition: str = "sorted_greedy", **defaults: Any):
         params = self._verify_and_init_params(params)
         self._verify_same_dense_param_type()
         self._check_optimizer_class(optimizer_class, overlap_with_ddp)
         optimizer_class = self._local_optimizer_class(optimizer_class, overlap_with_ddp)
+        self._check_partition(partition, optimizer_class)
+        #: "sorted_greedy" (torch's) or "balanced" (see the class documentation).
+        self.partition: str = partition
         if overlap_with_ddp and parameters_as_bucket_view:
             logger.warning("`parameters_as_bucket_view=True` will be ignored since "
                            "`overlap_with_ddp=True`; instead, a different bucketing strategy "
@@ -160,6 +185,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._param_to_index_cache: Dict[torch.Tensor, int] = {}
         self._partition_parameters_cache: List[List[dict]] = []
         self._index_to_param_cache: List[torch.Tensor] = []
+        # Per parameter, its pieces as (unit, begin, end, owner): the unit is the tensor the local
+        # optimizer and the engine see (the parameter itself, or a slice of its flattened values
+        # under the balanced partition). Pieces of a group, once made, are kept (add_param_group
+        # leaves the earlier groups' partition alone).
+        self._pieces: Dict[torch.Tensor, List[tuple]] = {}
+        self._units_cache: List[torch.Tensor] = []
+        self._unit_index_cache: Dict[torch.Tensor, int] = {}
+        self._unit_owners: List[int] = []
+        self._unit_params: List[torch.Tensor] = []
+        # partition="balanced" with parameters_as_bucket_view: one flat tensor per (parameter
+        # group, device) whose views the parameters are.
+        self._flat_buffers: List[torch.Tensor] = []
         self._is_trainable_mask = self._get_is_trainable_mask()
         self._default_device = self._all_params[0].device
 
@@ -172,6 +209,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optim_defaults = defaults
         self._optim_constructor = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view
+        if self._balanced_bucket_view():
+            for group in self.param_groups:
+                self._flatten(group["params"])
         self._init_local_optimizer()
         self._shards = None
         self._build_shards()
@@ -254,6 +294,41 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                          "but there is no supported functional optimizer equivalent for "
                          f"{optimizer_class}")
 
+    @staticmethod
+    def _check_partition(partition: Any, optimizer_class: Any) -> None:
+        if partition not in _PARTITIONS:
+            raise ValueError(f"ZeroRedundancyOptimizer: partition must be one of {_PARTITIONS}, "
+                             f"got {partition!r}")
+        if partition == "balanced" and optimizer_class not in _elementwise_optimizers():
+            raise ValueError(
+                "ZeroRedundancyOptimizer: partition='balanced' splits parameters between ranks, "
+                "which only an elementwise update allows (SGD, Adam, AdamW, Adagrad, Adadelta, "
+                "Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop); "
+                f"{getattr(optimizer_class, '__name__', optimizer_class)} is not one of them: "
+                "use partition='sorted_greedy'")
+
+    def _balanced_bucket_view(self) -> bool:
+        return (self.partition == "balanced" and self.parameters_as_bucket_view and
+                not self._overlap_with_ddp)
+
+    def _flatten(self, params: List[torch.Tensor]) -> None:
+        """partition='balanced' with bucket views: ``params`` (one group's) become views of one
+        flat tensor per device, their values kept."""
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for device, ps in by_device.items():
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=device)
+            offset = 0
+            with torch.no_grad():
+                for p in ps:
+                    n = p.numel()
+                    view = flat[offset:offset + n].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view
+                    offset += n
+            self._flat_buffers.append(flat)
+
     def _get_is_trainable_mask(self) -> List[bool]:
         return [_is_trainable(p) for p in self._all_params]
 
@@ -270,17 +345,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _build_shards(self) -> None:
         """(Re)builds the C++ engine for the current partition and trainability (bucket views are
-        rebuilt from the parameters' current values)."""
-        index = self._param_to_index
-        owners = [0] * len(index)
-        for param, rank in self._param_to_rank.items():
-            owners[index[param]] = rank
-        params = self._index_to_param
+        rebuilt from the parameters' current values). The engine's parameters are the units."""
+        units = self._units
         self._shards = _C.ZeroShards(
-            params, owners, [_is_trainable(p) for p in params], self.process_group,
+            units, list(self._unit_owners), self._unit_trainable(), self.process_group,
             parameters_as_bucket_view=self.parameters_as_bucket_view and not
-            self._overlap_with_ddp,
+            self._overlap_with_ddp and self.partition != "balanced",
             bucket_cap_bytes=int(self.bucket_cap_bytes))
+
+    def _unit_trainable(self) -> List[bool]:
+        _ = self._units
+        return [_is_trainable(p) for p in self._unit_params]
 
     @property
     def _buckets(self) -> List[List[torch.Tensor]]:
@@ -294,11 +369,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._param_to_rank_cache.clear()
         self._index_to_param_cache.clear()
         self._param_to_index_cache.clear()
+        self._units_cache.clear()
+        self._unit_index_cache.clear()
 
     def _partition_parameters(self, params_per_rank: Optional[List[List[torch.Tensor]]] = None
                               ) -> List[List[dict]]:
         """Per rank, its parameter groups: torch's sorted-greedy partition (computed by
         ``ddpx._C.zero_partition``), or ``params_per_rank`` (one group only)."""
+        if params_per_rank is None and self.partition == "balanced":
+            if not self._partition_parameters_cache:
+                self._partition_parameters_cache = self._balanced_partition()
+            return self._partition_parameters_cache
         if params_per_rank is None:
             if not self._partition_parameters_cache:
                 owners = _C.zero_partition(
@@ -317,6 +398,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         cache[rank].append(rank_group)
                 self._partition_parameters_cache = cache
             return self._partition_parameters_cache
+        if self.partition == "balanced":
+            raise RuntimeError("Specifying `params_per_rank` is not possible with "
+                               "partition='balanced' (it makes its own pieces)")
         if self._partition_parameters_cache:
             raise RuntimeError("Specifying `params_per_rank` should only be done when the "
                                "parameters have not been partitioned yet")
@@ -340,13 +424,97 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._partition_parameters_cache = cache
         return cache
 
+    def _balanced_partition(self) -> List[List[dict]]:
+        """partition='balanced': per rank, its groups of units (pieces in parameter order).
+        Parameters partitioned before (earlier groups, before add_param_group) keep their
+        pieces."""
+        cache: List[List[dict]] = [[] for _ in range(self.world_size)]
+        for group in self.param_groups:
+            params = group["params"]
+            fresh = [p for p in params if p not in self._pieces]
+            if fresh:
+                if len(fresh) != len(params):
+                    raise RuntimeError("ZeroRedundancyOptimizer: a parameter group was partly "
+                                       "partitioned")
+                rows = _C.zero_partition_balanced([p.numel() for p in params],
+                                                  [p.is_contiguous() for p in params],
+                                                  self.world_size, _BALANCED_ALIGN)
+                for p, row in zip(params, rows):
+                    if len(row) == 1:
+                        self._pieces[p] = [(p, 0, p.numel(), row[0][2])]
+                    else:
+                        flat = p.detach().view(-1)
+                        self._pieces[p] = [(flat[b:e], b, e, owner) for b, e, owner in row]
+            per_rank: List[List[torch.Tensor]] = [[] for _ in range(self.world_size)]
+            for p in params:
+                for unit, _, _, owner in self._pieces[p]:
+                    per_rank[owner].append(unit)
+            for rank, units in enumerate(per_rank):
+                rank_group = copy.copy(group)
+                rank_group["params"] = units
+                cache[rank].append(rank_group)
+        return cache
+
+    @property
+    def _units(self) -> List[torch.Tensor]:
+        """What the engine exchanges and the local optimizers step, in global order: the
+        parameters, or their pieces under partition='balanced'."""
+        if not self._units_cache:
+            partition = self._partition_parameters()
+            if self.partition != "balanced":
+                owner = {}
+                for rank, groups in enumerate(partition):
+                    for group in groups:
+                        for p in group["params"]:
+                            owner[p] = rank
+                for p in self._index_to_param:
+                    self._pieces[p] = [(p, 0, p.numel(), owner[p])]
+            self._unit_owners, self._unit_params = [], []
+            for p in self._index_to_param:
+                for unit, _, _, rank in self._pieces[p]:
+                    self._units_cache.append(unit)
+                    self._unit_owners.append(rank)
+                    self._unit_params.append(p)
+            self._unit_index_cache = {u: i for i, u in enumerate(self._units_cache)}
+        return self._units_cache
+
+    @property
+    def _unit_index(self) -> Dict[torch.Tensor, int]:
+        _ = self._units
+        return self._unit_index_cache
+
+    def _owner_ranges(self, param: torch.Tensor) -> List[tuple]:
+        """``param``'s pieces as (begin, end, owner) over its flattened elements: one covering it
+        under torch's partition."""
+        _ = self._units
+        return [(b, e, owner) for _, b, e, owner in self._pieces[param]]
+
+    def _bind_piece_grads(self, grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+                          ) -> List[torch.Tensor]:
+        """Gives this rank's pieces of split parameters the matching slices of their parameter's
+        gradient (``grads[param]`` if given, else ``param.grad``); returns the pieces, whose
+        ``.grad`` the caller drops after the step."""
+        bound = []
+        if self.partition != "balanced":
+            return bound
+        for p, pieces in self._pieces.items():
+            if len(pieces) == 1:
+                continue
+            grad = p.grad if grads is None else grads.get(p)
+            for unit, b, e, owner in pieces:
+                if owner != self.rank:
+                    continue
+                unit.grad = None if grad is None else grad.reshape(-1)[b:e]
+                bound.append(unit)
+        return bound
+
     @property
     def _param_to_rank(self) -> Dict[torch.Tensor, int]:
+        """Each parameter's owner (under partition='balanced', the owner of its first piece)."""
         if not self._param_to_rank_cache:
-            for rank, groups in enumerate(self._partition_parameters()):
-                for group in groups:
-                    for p in group["params"]:
-                        self._param_to_rank_cache[p] = rank
+            _ = self._units
+            for p in self._index_to_param:
+                self._param_to_rank_cache[p] = self._pieces[p][0][3]
         return self._param_to_rank_cache
 
     @property
@@ -395,6 +563,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                      f"{torch.typename(p)}")
         self._all_params.extend(new_params)
         self._is_trainable_mask = self._get_is_trainable_mask()
+        if self._balanced_bucket_view() and new_params:
+            self._flatten(new_params)
         self._clear_cache()
         local_groups = self._partition_parameters()[self.rank]
         if len(local_groups) == len(self.optim.param_groups) + 1:
@@ -417,17 +587,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if mask != self._is_trainable_mask:
             logger.warning("ZeroRedundancyOptimizer detected that the trainable parameters "
                            "changed; rebuilding the parameter buckets if enabled")
-            self._shards.rebuild([_is_trainable(p) for p in self._index_to_param])
+            self._shards.rebuild(self._unit_trainable())
             self._is_trainable_mask = mask
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        if closure is None and not kwargs and self._fused_step():
-            loss = None
-        else:
-            if closure is None:
-                loss = self.optim.step(**kwargs)
+        bound = self._bind_piece_grads()
+        try:
+            if closure is None and not kwargs and self._fused_step():
+                loss = None
             else:
-                loss = self.optim.step(closure=closure, **kwargs)
-            self._last_exchange = self._shards.exchange()
+                if closure is None:
+                    loss = self.optim.step(**kwargs)
+                else:
+                    # The closure recomputes the parameters' gradients: the pieces take them.
+                    def piece_closure():
+                        result = closure()
+                        self._bind_piece_grads()
+                        return result
+                    loss = self.optim.step(closure=piece_closure if bound else closure,
+                                           **kwargs)
+                self._shards.exchange()
+        finally:
+            for unit in bound:
+                unit.grad = None
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
 
@@ -456,7 +637,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fused_sgd(self, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
-        index = self._param_to_index
+        index = self._unit_index
         specs, stepped = [], []
         for group in self.optim.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -469,7 +650,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         result = self._shards.step_sgd(specs, subset)
         if result is None:
             return False
-        bufs_per_group, self._last_exchange = result
+        bufs_per_group, _ = result
         store_none = _compat.sgd_stores_none_momentum_buffer()
         for (group, params), bufs in zip(stepped, bufs_per_group):
             if group["momentum"] == 0 and not store_none:
@@ -480,7 +661,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fused_adam(self, adamw: bool, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
-        index = self._param_to_index
+        index = self._unit_index
         specs = []
         for group in self.optim.param_groups:
             amsgrad = bool(group["amsgrad"])
@@ -512,10 +693,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                           bool(group.get("maximize", False)),
                           adamw or bool(group.get("decoupled_weight_decay", False))))
         result = self._shards.step_adam(specs, subset)
-        if result is None:
-            return False
-        self._last_exchange = result
-        return True
+        return result is not None
 
     def _step_params(self, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
         """The overlap with DDP (``ddpx.hooks.hook_with_zero_step*``): steps this rank's share of
@@ -525,27 +703,30 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._get_is_trainable_mask() != self._is_trainable_mask:
             raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` does not "
                                "support changing parameter trainability at run time")
-        index = self._param_to_index
-        owner = self._param_to_rank
-        subset = [index[p] for p in params]
-        local = [p for group in self.optim.param_groups for p in group["params"]]
-        saved = [p.grad for p in local]
+        index = self._unit_index
+        subset = [index[unit] for p in params for unit, _, _, _ in self._pieces[p]]
+        local = [u for group in self.optim.param_groups for u in group["params"]]
+        saved = [u.grad for u in local]
         try:
-            # The local step sees exactly these gradients: only this rank's parameters of the
-            # bucket are stepped.
-            for p in local:
-                p.grad = None
+            # The local step sees exactly these gradients: only this rank's units of the
+            # bucket's parameters are stepped.
+            for u in local:
+                u.grad = None
             for p, g in zip(params, grads):
-                if owner[p] == self.rank and p.requires_grad:
-                    p.grad = g.view_as(p)
+                if not p.requires_grad:
+                    continue
+                for unit, b, e, owner in self._pieces[p]:
+                    if owner != self.rank:
+                        continue
+                    unit.grad = g.view_as(p) if unit is p else g.reshape(-1)[b:e]
             self._sync_param_groups(self.param_groups, self.optim.param_groups)
             if not self._fused_step(subset):
                 self.optim.step()
-                self._last_exchange = self._shards.exchange(subset)
+                self._shards.exchange(subset)
             self._sync_param_groups(self.optim.param_groups, self.param_groups)
         finally:
-            for p, g in zip(local, saved):
-                p.grad = g
+            for u, g in zip(local, saved):
+                u.grad = g
 
     # ---- Join ----------------------------------------------------------------------------
 
@@ -619,6 +800,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         state_dict = super().state_dict()
         partition = self._partition_parameters()
         index = self._param_to_index
+        where = {unit: (param, b, e) for param, pieces in self._pieces.items()
+                 for unit, b, e, _ in pieces}
+        piece_states: Dict[int, List[tuple]] = {}
         for rank, local in enumerate(self._all_state_dicts):
             local_groups = local["param_groups"]
             global_groups = partition[rank]
@@ -628,11 +812,42 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                    f"{len(global_groups)}: consolidate again after "
                                    "add_param_group")
             for local_group, global_group in zip(local_groups, global_groups):
-                for local_index, param in zip(local_group["params"], global_group["params"]):
+                for local_index, unit in zip(local_group["params"], global_group["params"]):
                     if local_index in local["state"]:
-                        state_dict["state"][index[param]] = local["state"][local_index]
+                        param, b, e = where[unit]
+                        piece_states.setdefault(index[param], []).append(
+                            (b, e, local["state"][local_index]))
+        for i, items in piece_states.items():
+            merged = self._merge_piece_states(self._index_to_param[i], items)
+            if merged is not None:
+                state_dict["state"][i] = merged
         state_dict["state"] = dict(sorted(state_dict["state"].items()))
         return state_dict
+
+    def _merge_piece_states(self, param: torch.Tensor, items: List[tuple]) -> Any:
+        """One parameter's state in torch's layout from its pieces' states ((begin, end, state)
+        from their owners): elementwise tensors (one element per element of the piece) are
+        concatenated into the parameter's shape, anything else (the step count, ...) is taken
+        from the first piece. None (with a warning) when some piece has no state."""
+        pieces = self._pieces[param]
+        if len(pieces) == 1:
+            return items[0][2]
+        if len(items) != len(pieces):
+            logger.warning("ZeroRedundancyOptimizer: parameter %d is split between ranks and only "
+                           "%d of its %d pieces have optimizer state; its state is left out of "
+                           "the state dict", self._param_to_index[param], len(items), len(pieces))
+            return None
+        items = sorted(items, key=lambda item: item[0])
+        first = items[0][2]
+        merged = {}
+        for key, value in first.items():
+            values = [state.get(key) for _, _, state in items]
+            if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == e - b
+                   for v, (b, e, _) in zip(values, items)):
+                merged[key] = torch.cat(values).view(param.shape)
+            else:
+                merged[key] = value
+        return merged
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads this rank's shard of ``state_dict`` (from :meth:`state_dict`, saved at any world
@@ -646,28 +861,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # The base class validates the groups and takes their options; the state is loaded here.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         params = self._index_to_param
-        owner = self._param_to_rank
+        _ = self._units
         for index, value in state_dict["state"].items():
             if not isinstance(index, int) or not 0 <= index < len(params):
                 raise ValueError(f"load_state_dict: state index {index!r} does not name one of "
                                  f"this optimizer's {len(params)} parameters")
             param = params[index]
-            if owner[param] != self.rank:
-                continue
-            self.optim.state[param] = self._param_state_copy(value, param)
+            for unit, b, e, owner in self._pieces[param]:
+                if owner == self.rank:
+                    piece = None if unit is param else (b, e)
+                    self.optim.state[unit] = self._param_state_copy(value, param, piece)
         self._sync_param_groups(state_dict["param_groups"], self.param_groups)
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
 
     @staticmethod
-    def _param_state_copy(value: Any, param: torch.Tensor) -> Any:
+    def _param_state_copy(value: Any, param: torch.Tensor, piece: Optional[tuple] = None) -> Any:
         """A parameter's state as the local optimizer keeps it: tensors copied onto the
         parameter's device (floating ones in its dtype, as torch.optim casts them), 0-dim ones
-        (``step``) on the CPU, as torch's ZeRO keeps them."""
+        (``step``) on the CPU, as torch's ZeRO keeps them. With ``piece`` (begin, end), the
+        state of that slice of the parameter's flattened elements: tensors of the parameter's
+        shape are sliced alike."""
         if not isinstance(value, dict):
             return copy.deepcopy(value)
         out = {}
         for key, v in value.items():
             if isinstance(v, torch.Tensor):
+                if piece is not None and v.dim() > 0 and v.shape == param.shape:
+                    v = v.reshape(-1)[piece[0]:piece[1]]
                 if v.dim() == 0 or key == "step":
                     out[key] = v.detach().to("cpu", copy=True)
                 elif v.is_floating_point() and param.is_floating_point():

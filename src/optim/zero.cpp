@@ -39,6 +39,64 @@ std::vector<std::vector<int64_t>> partition_sorted_greedy(
   return owners;
 }
 
+std::vector<std::vector<ZeroPiece>> partition_balanced(const std::vector<int64_t>& numels,
+                                                       const std::vector<bool>& splittable,
+                                                       int64_t world_size, int64_t align) {
+  TORCH_CHECK_VALUE(world_size > 0, "partition_balanced: world_size must be positive, got ",
+                    world_size);
+  TORCH_CHECK_VALUE(align > 0, "partition_balanced: align must be positive, got ", align);
+  TORCH_CHECK_VALUE(splittable.size() == numels.size(), "partition_balanced: ", numels.size(),
+                    " numels but ", splittable.size(), " splittable flags");
+  int64_t total = 0;
+  for (int64_t n : numels) {
+    TORCH_CHECK_VALUE(n >= 0, "partition_balanced: a negative numel (", n, ")");
+    total += n;
+  }
+  // cuts[r]: where rank r's share of the line begins (cuts[W] = T).
+  std::vector<int64_t> cuts(static_cast<size_t>(world_size) + 1);
+  for (int64_t r = 0; r <= world_size; ++r) {
+    cuts[static_cast<size_t>(r)] =
+        static_cast<int64_t>((static_cast<__int128>(total) * r) / world_size);
+  }
+  // The rank whose share holds element x of the line (the last rank for x == T).
+  const auto owner_of = [&](int64_t x) -> int64_t {
+    const auto it = std::upper_bound(cuts.begin() + 1, cuts.end() - 1, x);
+    return it - (cuts.begin() + 1);
+  };
+  std::vector<std::vector<ZeroPiece>> out;
+  out.reserve(numels.size());
+  int64_t start = 0;  // the parameter's first element on the line
+  for (size_t i = 0; i < numels.size(); ++i) {
+    const int64_t n = numels[i];
+    std::vector<int64_t> bounds{0};
+    if (splittable[i]) {
+      for (int64_t r = 1; r < world_size; ++r) {
+        const int64_t cut = cuts[static_cast<size_t>(r)] - start;
+        if (cut <= 0 || cut >= n) continue;
+        const int64_t aligned = (cut + align / 2) / align * align;
+        if (aligned > bounds.back() && aligned < n) bounds.push_back(aligned);
+      }
+    }
+    bounds.push_back(n);
+    std::vector<ZeroPiece> pieces;
+    for (size_t k = 0; k + 1 < bounds.size(); ++k) {
+      ZeroPiece piece;
+      piece.begin = bounds[k];
+      piece.end = bounds[k + 1];
+      // The rank holding the piece's middle element: the whole parameter's when it is not cut.
+      piece.owner = owner_of(start + (piece.begin + piece.end) / 2);
+      if (!pieces.empty() && pieces.back().owner == piece.owner) {
+        pieces.back().end = piece.end;  // two cuts rounded into one rank's share
+      } else {
+        pieces.push_back(piece);
+      }
+    }
+    out.push_back(std::move(pieces));
+    start += n;
+  }
+  return out;
+}
+
 namespace {
 
 constexpr int64_t kGatherAlign = 64;  // bytes; every packed tensor starts at a multiple

@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bind_utils.h"
@@ -72,6 +73,23 @@ void bind_zero(py::module& m) {
   m.def("zero_partition", &optim::partition_sorted_greedy, py::arg("numels"), py::arg("world_size"),
         "torch's ZeRO partition: numels[g][i] -> the owning rank of group g's parameter i "
         "(largest first, each to the least-loaded rank; totals carried across groups).");
+
+  m.def(
+      "zero_partition_balanced",
+      [](const std::vector<int64_t>& numels, const std::vector<bool>& splittable,
+         int64_t world_size, int64_t align) {
+        std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t>>> out;
+        for (const auto& pieces :
+             optim::partition_balanced(numels, splittable, world_size, align)) {
+          std::vector<std::tuple<int64_t, int64_t, int64_t>> row;
+          for (const auto& p : pieces) row.emplace_back(p.begin, p.end, p.owner);
+          out.push_back(std::move(row));
+        }
+        return out;
+      },
+      py::arg("numels"), py::arg("splittable"), py::arg("world_size"), py::arg("align") = 32,
+      "ddpx's balanced ZeRO partition: per parameter (in order), its pieces as (begin, end, "
+      "owner) over its flattened elements; each rank holds an even share of the elements.");
 
   py::class_<optim::ZeroShards, std::shared_ptr<optim::ZeroShards>>(
       m, "ZeroShards", "ZeRO's engine: partition layout, bucket views, parameter exchange.")

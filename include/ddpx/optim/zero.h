@@ -41,6 +41,28 @@ namespace optim {
 std::vector<std::vector<int64_t>> partition_sorted_greedy(
     const std::vector<std::vector<int64_t>>& numels, int64_t world_size);
 
+// One piece of a parameter under the balanced partition: elements [begin, end) of the
+// parameter's flattened values, updated by rank `owner`.
+struct ZeroPiece {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t owner = 0;
+};
+
+// The balanced partition (ddpx's, opt-in): the parameters, in order, laid end to end; rank r owns
+// the elements [r * T / W, (r + 1) * T / W) of that line (T elements in all, W ranks), so a
+// parameter that straddles a boundary is split between ranks. A cut inside a parameter is moved to
+// a multiple of `align` elements from the parameter's start (aligned slices for vector loads and
+// no slivers); a parameter with splittable[i] false (not contiguous) is never cut and goes whole
+// to the rank that holds its middle element. Each rank then holds T / W elements to within
+// `align` per cut (plus half of any unsplittable parameter). Returns, per parameter, its pieces in
+// element order (one piece covering it when it is not cut); empty parameters get one empty piece
+// owned by the rank holding their position. c10::ValueError for world_size < 1, align < 1, a
+// negative numel or mismatched lengths.
+std::vector<std::vector<ZeroPiece>> partition_balanced(const std::vector<int64_t>& numels,
+                                                       const std::vector<bool>& splittable,
+                                                       int64_t world_size, int64_t align = 32);
+
 struct ZeroOptions {
   // true: each rank's trainable parameters (per device) are packed into one flat tensor and
   // every such parameter's data becomes a view of it (torch's parameters_as_bucket_view).

@@ -6,7 +6,8 @@ accepts (drop-in), and also carries the factory of its C++ object so that
 
 The modules follow torch's ``torch.distributed.algorithms.ddp_comm_hooks``, each family's state
 beside its hooks: ``default_hooks`` (the default hooks, the compress wrappers, ``noop_hook``),
-``powerSGD_hook``, ``post_localSGD_hook`` and ``ddp_zero_hook`` (ZeRO's overlap with DDP);
+``powerSGD_hook``, ``post_localSGD_hook`` and ``ddp_zero_hook`` (ZeRO's overlap with DDP), and
+ddpx's own ``zero_reduce_scatter_hook`` (ZeRO-2 style gradient sharding);
 ``_native`` is the machinery they share (see its
 docstring for the state protocol a new hook's state implements). As before, the attributes
 ``ddpx.hooks.powerSGD_hook`` and ``ddpx.hooks.post_localSGD_hook`` are the hook *functions*;
@@ -18,6 +19,7 @@ from .default_hooks import (allreduce_hook, bf16_compress_hook, bf16_compress_wr
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
+from .zero_reduce_scatter_hook import reduce_scatter_hook
 
 __all__ = [
     "allreduce_hook",
@@ -33,6 +35,7 @@ __all__ = [
     "post_localSGD_hook",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
+    "reduce_scatter_hook",
     "register_comm_hook",
     "native_hook",
 ]

@@ -1,0 +1,188 @@
+"""ZeRO-2 style gradient sharding for ``ddpx.optim.ZeroRedundancyOptimizer`` (ddpx's; torch has
+none): a DDP comm hook that reduce-scatters each bucket's gradients to the ranks that own them,
+instead of all-reducing them to every rank.
+
+With ZeRO, a rank only reads the gradients of the parameters (or, under
+``partition="balanced"``, of the pieces) it owns: the rest of an all-reduce's result is thrown
+away. :func:`reduce_scatter_hook` sends each owner only its share: per step, a rank sends about
+one model size for the gradients (an all-reduce sends two) and one for the parameter exchange of
+``zero.step()``, two model sizes in all instead of three.
+
+    zero = ddpx.optim.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-3)
+    ddp.register_comm_hook(zero, ddpx.hooks.reduce_scatter_hook)
+    for x, y in data:
+        zero.zero_grad(); loss_fn(ddp(x), y).backward(); zero.step()
+
+or, with ``overlap_with_ddp=True``, wrapped by :func:`ddpx.hooks.hook_with_zero_step` (or its
+interleaved variant) with the ZeRO optimizer as the state:
+``ddp.register_comm_hook(zero, hook_with_zero_step(reduce_scatter_hook, ddp, zero))``.
+
+What a user sees: after ``backward()``, ``param.grad`` holds the averaged gradient on the elements
+this rank owns and zeros elsewhere, so anything that reads whole gradients on every rank (gradient
+clipping by global norm, an unsharded optimizer) must not be used with it. DDP's own gradient
+buckets stay allocated (DDP owns them), so the saving is in bytes sent, not in memory.
+
+How: at bucket i, each rank divides the bucket by the world size and sends every other rank the
+elements that rank owns (one message per peer: the owner's ranges packed, or a view when they are
+one range) and posts the receives of its own elements; point-to-point (send/recv, on Gloo and
+NCCL), tagged with the bucket's index. Bucket i's sums are completed at bucket i + 1's hook call
+(its receives had bucket i + 1's backward computation to arrive), and every pending bucket at
+the last one, so no collective is issued from a completion callback and nothing waits on a
+thread. The owner adds the contributions in rank order (deterministic; not bit for bit DDP's
+all-reduce, which sums in another order).
+"""
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["reduce_scatter_hook"]
+
+
+class _Layout:
+    """Where a bucket's elements go: for each owner rank, its ranges [begin, end) of the bucket
+    (merged where adjacent), and how many elements that is."""
+
+    def __init__(self, zero: Any, params: List[torch.Tensor]):
+        ranges: List[List[Tuple[int, int]]] = [[] for _ in range(zero.world_size)]
+        offset = 0
+        for p in params:
+            try:
+                pieces = zero._owner_ranges(p)
+            except KeyError:
+                raise ValueError("ddpx.hooks.reduce_scatter_hook: a parameter of DDP's bucket (of "
+                                 f"shape {tuple(p.shape)}) is not one of the "
+                                 "ZeroRedundancyOptimizer's parameters: build the optimizer over "
+                                 "ddp.parameters()") from None
+            for b, e, owner in pieces:
+                if e > b:
+                    mine = ranges[owner]
+                    if mine and mine[-1][1] == offset + b:
+                        mine[-1] = (mine[-1][0], offset + e)
+                    else:
+                        mine.append((offset + b, offset + e))
+            offset += p.numel()
+        self.ranges = ranges
+        self.counts = [sum(e - b for b, e in r) for r in ranges]
+        self.numel = offset
+
+
+class _Pending:
+    """One bucket's reduce-scatter in flight."""
+    __slots__ = ("buffer", "layout", "works", "recvs", "future", "keep")
+
+    def __init__(self, buffer, layout, works, recvs, future, keep):
+        self.buffer, self.layout, self.works, self.recvs = buffer, layout, works, recvs
+        self.future, self.keep = future, keep
+
+
+def _gather(buffer: torch.Tensor, ranges: List[Tuple[int, int]]) -> torch.Tensor:
+    if len(ranges) == 1:
+        b, e = ranges[0]
+        return buffer[b:e]
+    return torch.cat([buffer[b:e] for b, e in ranges])
+
+
+def _finish(item: _Pending, rank: int) -> None:
+    """Waits for a bucket's messages, sums this rank's elements (its own contribution, then the
+    peers' in rank order), zeroes the others and completes the bucket's future."""
+    try:
+        for work in item.works:
+            work.wait()
+        buffer, mine = item.buffer, item.layout.ranges[rank]
+        if mine:
+            total = _gather(buffer, mine)  # a view of the bucket for one range, else a copy
+            for received in item.recvs:
+                total.add_(received)
+            if len(mine) > 1:
+                offset = 0
+                for b, e in mine:
+                    buffer[b:e].copy_(total[offset:offset + e - b])
+                    offset += e - b
+        start = 0
+        for b, e in mine:  # ascending
+            buffer[start:b].zero_()
+            start = e
+        buffer[start:].zero_()
+        item.future.set_result(buffer)
+    except Exception as exc:  # noqa: BLE001 - delivered to DDP through the future
+        item.future.set_exception(exc)
+
+
+class _HookState:
+    """Per ZeroRedundancyOptimizer: the layouts by bucket and the buckets in flight."""
+
+    def __init__(self):
+        self.layouts: Dict[Tuple[int, ...], _Layout] = {}
+        self.pending: List[_Pending] = []
+        self.sent_elements = 0  # elements this rank sent (for tests and benchmarks)
+
+
+def _state_of(zero: Any) -> _HookState:
+    state = getattr(zero, "_reduce_scatter_state", None)
+    if state is None:
+        state = _HookState()
+        zero._reduce_scatter_state = state
+    return state
+
+
+def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
+                        ) -> torch.futures.Future[torch.Tensor]:
+    """Reduce-scatters ``bucket`` to the ranks that own its elements under ``state``'s partition
+    (``state`` is the ``ddpx.optim.ZeroRedundancyOptimizer`` that steps these parameters): the
+    averaged gradient lands on each element's owner, zeros elsewhere. See the module docstring."""
+    from .._zero import ZeroRedundancyOptimizer
+    zero = state
+    if not isinstance(zero, ZeroRedundancyOptimizer):
+        raise TypeError("ddpx.hooks.reduce_scatter_hook: the hook's state must be the ddpx.optim."
+                        f"ZeroRedundancyOptimizer, got {type(zero).__name__}: "
+                        "ddp.register_comm_hook(zero, ddpx.hooks.reduce_scatter_hook)")
+    hs = _state_of(zero)
+    if bucket.index() == 0 and hs.pending:
+        hs.pending.clear()  # an interrupted backward pass: its buckets are gone
+    params = bucket.parameters()
+    buffer = bucket.buffer()
+    key = (bucket.index(),) + tuple(id(p) for p in params)
+    layout = hs.layouts.get(key)
+    if layout is None:
+        if bucket.index() == 0:
+            hs.layouts.clear()  # DDP rebuilt its buckets
+        layout = hs.layouts[key] = _Layout(zero, params)
+    if layout.numel != buffer.numel():
+        raise RuntimeError(f"ddpx.hooks.reduce_scatter_hook: bucket {bucket.index()} holds "
+                           f"{buffer.numel()} elements, its parameters {layout.numel}")
+    if buffer.is_cuda:
+        future = torch.futures.Future(devices=[buffer.device])
+    else:
+        future = torch.futures.Future()
+    world, rank, pg = zero.world_size, zero.rank, zero.process_group
+    buffer.div_(world)
+    works, recvs, keep = [], [], []
+    if world > 1:
+        tag = bucket.index()
+        for peer in range(world):
+            if peer == rank or not layout.counts[peer]:
+                continue
+            out = _gather(buffer, layout.ranges[peer])
+            keep.append(out)
+            works.append(pg.send([out], peer, tag))
+            hs.sent_elements += out.numel()
+        if layout.counts[rank]:
+            for peer in range(world):
+                if peer == rank:
+                    continue
+                incoming = torch.empty(layout.counts[rank], dtype=buffer.dtype,
+                                       device=buffer.device)
+                recvs.append(incoming)
+                works.append(pg.recv([incoming], peer, tag))
+    item = _Pending(buffer, layout, works, recvs, future, keep)
+    # Complete what earlier buckets sent (they had this bucket's computation to arrive), and
+    # everything at the last bucket.
+    done = hs.pending
+    hs.pending = [item]
+    if bucket.is_last():
+        done = done + hs.pending
+        hs.pending = []
+    for earlier in done:
+        _finish(earlier, rank)
+    return future
