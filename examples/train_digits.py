@@ -166,6 +166,15 @@ def wire_zero(buckets: List[Bucket], ctx: WireContext) -> float:
     return wire_fp32_allreduce(buckets, ctx) + (ctx.world - 1) * sum(shards) / ctx.world
 
 
+def wire_zero2(buckets: List[Bucket], ctx: WireContext) -> float:
+    """ZeRO with ddpx.hooks.reduce_scatter_hook (ZeRO-2 gradient sharding): every gradient
+    element goes once from each non-owner to its owner, (W-1)/W x gradient bytes per rank on
+    average, plus the parameter exchange of wire_zero."""
+    shards = ctx.zero_shard_bytes or []
+    grads = sum(b.numel * _elem(b.dtype) for b in buckets)
+    return (ctx.world - 1) * (grads + sum(shards)) / ctx.world
+
+
 def wire_zero_powersgd(buckets: List[Bucket], ctx: WireContext) -> float:
     """ZeRO overlapped with PowerSGD: PowerSGD's fp32 factors (wire_powersgd_fp32) + the
     parameter exchange of wire_zero."""
@@ -195,6 +204,9 @@ WIRE_FOOTNOTES = {
                           "allreduce step (results.json: local_sgd)"),
     wire_zero_powersgd: ("ZeRO overlapped with PowerSGD: PowerSGD's factors as above + the "
                          "parameter exchange as for ZeroRedundancyOptimizer"),
+    wire_zero2: ("ZeRO-2 (reduce_scatter_hook): each gradient element sent once to its owner, "
+                 "(W-1)/W x grad numel x 4, + the parameter exchange as for "
+                 "ZeroRedundancyOptimizer, **mean over ranks**"),
     wire_zero: ("ZeroRedundancyOptimizer: fp32 ring allreduce of the gradients 2(W-1)/W x "
                 "numel x 4 + the parameter exchange, **mean over ranks**: each rank broadcasts "
                 "the parameters it owns to the W-1 others, (W-1)/W x param numel x 4 on average "
@@ -375,6 +387,27 @@ def zero_overlap_powersgd(name: str, rank: int) -> Config:
                   make_optimizer=make_optimizer, zero=True, overlap=True)
 
 
+def zero2_row(name: str, **zero_kw) -> Config:
+    """ddpx's ZeroRedundancyOptimizer behind ddpx.hooks.reduce_scatter_hook (ZeRO-2: each
+    bucket's gradients reduce-scattered to their owners instead of all-reduced), stepped after
+    backward: the same SGD as every row."""
+    made: Dict[int, Any] = {}
+
+    def register(ddp: DDP, args: argparse.Namespace) -> Any:
+        zero = ddpx.optim.ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.SGD, lr=args.lr, momentum=0.9,
+            **zero_kw)
+        ddp.register_comm_hook(zero, H.reduce_scatter_hook)
+        made[id(ddp)] = zero
+        return zero
+
+    def make_optimizer(ddp: DDP, args: argparse.Namespace) -> torch.optim.Optimizer:
+        return made.pop(id(ddp))
+
+    return Config(name, "drop-in", register, wire_zero2, make_optimizer=make_optimizer,
+                  zero=True)
+
+
 CONFIGS: List[Config] = [
     Config("no hook", "DDP default", None, wire_fp32_allreduce),
     Config("torch allreduce_hook", "drop-in", drop_in(torch_hooks.allreduce_hook),
@@ -423,6 +456,10 @@ CONFIGS: List[Config] = [
     # The step overlapped with the backward pass, inside ddpx's PowerSGD hook (torch's overlap
     # refuses Gloo): the same trajectory as "ddpx powerSGD_hook r=2".
     zero_overlap_powersgd("ddpx ZeRO overlap_with_ddp + powerSGD_hook", 2),
+    # ddpx's balanced partition (the 512x512 weight split, so both ranks hold half the state),
+    # with DDP's allreduce and with ZeRO-2's reduce-scatter (2 instead of 3 model sizes sent).
+    zero_row("ddpx ZeroRedundancyOptimizer, balanced", ddpx_side=True, partition="balanced"),
+    zero2_row("ddpx ZeRO-2 reduce_scatter_hook, balanced", partition="balanced"),
     Config("ddpx noop_hook", "native", native(H.noop_hook), wire_none, compression=None,
            synchronises=False),
 ]
@@ -666,25 +703,31 @@ class Run:
         # (innermost) optimizer updates: ZeRO's local shard, all of them otherwise.
         inner = inner_optimizer(self.opt)
         params = list(self.model.parameters())
-        updates = {id(p) for g in inner.param_groups for p in g["params"]}
+        # The fraction of each parameter's elements this rank updates: 0 or 1, or a piece's
+        # share under ddpx's balanced partition (its local optimizer holds slices).
+        if hasattr(self.opt, "_owner_ranges"):
+            share = [sum(e - b for b, e, o in self.opt._owner_ranges(p) if o == rank)
+                     / max(1, p.numel()) for p in params]
+        else:
+            updates = {id(p) for g in inner.param_groups for p in g["params"]}
+            share = [float(id(p) in updates) for p in params]
         per_rank = torch.zeros(3, world, dtype=torch.float64, device=self.device)
         per_rank[0, rank] = tensor_bytes(list(inner.state.values()))
-        per_rank[1, rank] = sum(p.numel() * p.element_size() for p in params if id(p) in updates)
-        per_rank[2, rank] = sum(1 for p in params if id(p) in updates)
-        owners = torch.tensor([float(id(p) in updates) for p in params], dtype=torch.float64,
-                              device=self.device)
+        per_rank[1, rank] = sum(f * p.numel() * p.element_size() for f, p in zip(share, params))
+        per_rank[2, rank] = sum(1 for f in share if f > 0)
+        owners = torch.tensor(share, dtype=torch.float64, device=self.device)
         dist.all_reduce(per_rank)
         dist.all_reduce(owners)  # ranks that update each parameter
         state_bytes = [int(v) for v in per_rank[0].tolist()]
         if cfg.zero:
-            shard_bytes = [int(v) for v in per_rank[1].tolist()]
+            shard_bytes = [int(round(v)) for v in per_rank[1].tolist()]
             ctx = dataclasses.replace(ctx, zero_shard_bytes=shard_bytes)
             compression = wire_fp32_allreduce(buckets, ctx) / cfg.wire(buckets, ctx)
             self.row["zero"] = dict(
                 shard_param_bytes_per_rank=shard_bytes,
                 shard_params_per_rank=[int(v) for v in per_rank[2].tolist()],
                 # ZeRO's partition: every parameter updated (and broadcast) by exactly one rank.
-                every_param_owned_once=bool((owners == 1).all()),
+                every_param_owned_once=bool(((owners - 1).abs() < 1e-9).all()),
                 param_exchange_bytes_per_step_per_rank=[(world - 1) * b for b in shard_bytes],
             )
         if cfg.powersgd:
@@ -1060,7 +1103,9 @@ def main(argv=None) -> int:
         if zrows:
             z = zrows[0]["zero"]
             shard, total = z["shard_param_bytes_per_rank"], sum(z["shard_param_bytes_per_rank"])
-            same_split = all(r["zero"]["shard_param_bytes_per_rank"] == shard for r in zrows)
+            balanced = [r for r in zrows if "balanced" in r["hook"]]
+            same_split = all(r["zero"]["shard_param_bytes_per_rank"] == shard for r in zrows
+                             if r not in balanced)
             largest = max(v.numel() for v in init_state.values()) / n_params
             unsharded = (max(base["opt_state_bytes_per_rank"]) if base["status"] == "ok"
                          else None)
@@ -1076,8 +1121,14 @@ def main(argv=None) -> int:
                 + ") gives the ranks " + " / ".join(str(n) for n in z["shard_params_per_rank"])
                 + " parameter tensors, " + " / ".join(f"{100 * b / total:.1f}%" for b in shard)
                 + f" of the parameter bytes: the largest tensor alone is {100 * largest:.1f}% "
-                "of them and is not split, so the largest shard is well above 1/W. Every "
-                "parameter updated by exactly one rank: "
+                "of them and is not split, so the largest shard is well above 1/W"
+                + ("; the balanced rows (ddpx's partition='balanced') split it: "
+                   + " / ".join(f"{100 * b / sum(bs):.1f}%"
+                                for bs in [balanced[0]["zero"]["shard_param_bytes_per_rank"]]
+                                for b in bs)
+                   + " of the parameter bytes per rank" if balanced else "")
+                + ". Every parameter (every element, for the balanced rows) updated by exactly "
+                "one rank: "
                 + ("yes" if all(r["zero"]["every_param_owned_once"] for r in zrows) else
                    "NO: " + ", ".join(f"{r['hook']} ({r['registration']})" for r in zrows
                                       if not r["zero"]["every_param_owned_once"]))

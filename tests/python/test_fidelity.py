@@ -63,6 +63,9 @@ EXTRA_PARAMS: Dict[str, Dict[str, str]] = {
     "HierarchicalModelAverager": {"bucket_cap_mb": "as average_parameters"},
     "PowerSGDState.load_state_dict": {
         "strict": "ddpx-only checkpoint API: strict=False drops error memories of other sizes"},
+    "ZeroRedundancyOptimizer": {
+        "partition": "keyword only, default torch's partition: 'balanced' splits large tensors "
+                     "so every rank holds an even share (torch has no such option)"},
     "PostLocalSGDOptimizer.step": {
         "closure": "torch.optim.Optimizer's step(closure) protocol, passed to the local optimizer"},
 }
@@ -163,6 +166,13 @@ def check_signature(key: str, torch_fn, ddpx_fn) -> None:
     """torch's parameters, in order, with their kinds and defaults; then only allow-listed
     extras with defaults."""
     theirs, ours = _params(torch_fn), _params(ddpx_fn)
+    # A **kwargs stays last: ddpx's keyword-only extras go before it, and are compared as if
+    # after torch's parameters.
+    var_kw = [p for p in theirs if p[1] == "VAR_KEYWORD"]
+    assert var_kw == [p for p in ours if p[1] == "VAR_KEYWORD"], \
+        f"{key}: ddpx {ours} vs torch {theirs}"
+    theirs = [p for p in theirs if p[1] != "VAR_KEYWORD"]
+    ours = [p for p in ours if p[1] != "VAR_KEYWORD"]
     assert ours[:len(theirs)] == theirs, f"{key}: ddpx {ours} vs torch {theirs}"
     extra = ours[len(theirs):]
     allowed = EXTRA_PARAMS.get(key, {})

@@ -126,6 +126,7 @@ MODULES = {
     "powerSGD_hook": ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"],
     "post_localSGD_hook": ["PostLocalSGDState", "post_localSGD_hook"],
     "ddp_zero_hook": ["hook_with_zero_step", "hook_with_zero_step_interleaved"],
+    "zero_reduce_scatter_hook": ["reduce_scatter_hook"],
     "_native": ["register_comm_hook", "native_hook"],
 }
 

@@ -25,10 +25,10 @@ buckets stay allocated (DDP owns them), so the saving is in bytes sent, not in m
 How: at bucket i, each rank divides the bucket by the world size and sends every other rank the
 elements that rank owns (one message per peer: the owner's ranges packed, or a view when they are
 one range) and posts the receives of its own elements; point-to-point (send/recv, on Gloo and
-NCCL), tagged with the bucket's index. Bucket i's sums are completed at bucket i + 1's hook call
-(its receives had bucket i + 1's backward computation to arrive), and every pending bucket at
-the last one, so no collective is issued from a completion callback and nothing waits on a
-thread. The owner adds the contributions in rank order (deterministic; not bit for bit DDP's
+NCCL), tagged with the bucket's index. A later hook call completes (sums) the buckets whose
+messages have all arrived, without waiting for the others, and the last bucket's call completes
+every one, waiting: no communication is issued from a completion callback, nothing waits on a
+thread, and the backward computation never blocks on a transfer. The owner adds the contributions in rank order (deterministic; not bit for bit DDP's
 all-reduce, which sums in another order).
 """
 from typing import Any, Dict, List, Tuple
@@ -175,14 +175,10 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
                                        device=buffer.device)
                 recvs.append(incoming)
                 works.append(pg.recv([incoming], peer, tag))
-    item = _Pending(buffer, layout, works, recvs, future, keep)
-    # Complete what earlier buckets sent (they had this bucket's computation to arrive), and
-    # everything at the last bucket.
-    done = hs.pending
-    hs.pending = [item]
-    if bucket.is_last():
-        done = done + hs.pending
-        hs.pending = []
-    for earlier in done:
-        _finish(earlier, rank)
+    hs.pending.append(_Pending(buffer, layout, works, recvs, future, keep))
+    # Complete the buckets whose messages have all arrived (in order, without waiting), and at
+    # the last bucket every one, waiting: the backward computation never blocks on a transfer.
+    last = bucket.is_last()
+    while hs.pending and (last or all(w.is_completed() for w in hs.pending[0].works)):
+        _finish(hs.pending.pop(0), rank)
     return future
