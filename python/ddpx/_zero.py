@@ -59,9 +59,6 @@ class _TensorSlot:
     def __init__(self, index: int):
         self.index = index
 
-    def __reduce__(self):
-        return (_TensorSlot, (self.index,))
-
 
 def _map_tensors(obj: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) -> Any:
     """``obj`` with every ``leaf`` instance replaced by ``fn(it)``; dicts, lists and tuples

@@ -109,12 +109,6 @@ int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.
 
 int64_t align_up(int64_t n) { return (n + kGatherAlign - 1) / kGatherAlign * kGatherAlign; }
 
-// A 1-D byte view of `values` (contiguous) as Broadcast sends it.
-c10::intrusive_ptr<c10d::Work> start_broadcast(c10d::ProcessGroup& pg, const at::Tensor& values,
-                                               int64_t root) {
-  return comm::Broadcast(root).start(pg, values);
-}
-
 // Copies `t`'s elements to (into_flat) or from `flat`, a contiguous 1-D tensor of t's dtype,
 // from element `offset`. Contiguous CPU tensors are copied with memcpy: a staged chunk packs
 // many small parameters, and an ATen copy per parameter costs microseconds of dispatch each.
@@ -464,7 +458,7 @@ ZeroExchangeStats ZeroShards::run(std::vector<std::vector<Chunk>>& table,
         item.staged = values;
         stats.staged_bytes += nbytes(values);
       }
-      item.work = start_broadcast(*pg_, values, r);
+      item.work = comm::Broadcast(r).start(*pg_, values);
       ++stats.broadcasts;
       round.items.push_back(std::move(item));
     }

@@ -1,5 +1,6 @@
 // ZeRO (ddpx/optim/zero.h) on 1 to 4 Gloo ranks as threads (test_utils.h):
-//   * partition_sorted_greedy: torch's assignment on hand-worked cases;
+//   * partition_sorted_greedy: torch's assignment on hand-worked cases; partition_balanced: even
+//     shares, aligned cuts, unsplittable parameters, bad arguments;
 //   * ZeroShards: the exchange (owners' values everywhere, in place and staged chunks, several
 //     rounds), bucket views, the fused SGD/Adam steps against the unsharded functional
 //     optimizers bit for bit, the bulk gather (any dtypes, shapes, counts), bad arguments;
@@ -74,6 +75,48 @@ TEST(ZeroPartition, TorchsSortedGreedy) {
 }
 
 // Every rank's parameters take the owner's values: rank r fills its own with r + index.
+// Pieces as (begin, end, owner) triples, for EXPECT_EQ.
+std::vector<std::vector<std::vector<int64_t>>> triples(
+    const std::vector<std::vector<ddpx::optim::ZeroPiece>>& pieces) {
+  std::vector<std::vector<std::vector<int64_t>>> out;
+  for (const auto& row : pieces) {
+    out.emplace_back();
+    for (const auto& p : row) out.back().push_back({p.begin, p.end, p.owner});
+  }
+  return out;
+}
+
+TEST(ZeroPartition, BalancedCutsTheLineIntoEvenShares) {
+  using ddpx::optim::partition_balanced;
+  using T = std::vector<std::vector<std::vector<int64_t>>>;
+  // 100 + 60 + 40 = 200 elements, 2 ranks: the cut at 100 falls between parameters.
+  EXPECT_EQ(triples(partition_balanced({100, 60, 40}, {true, true, true}, 2, 1)),
+            (T{{{0, 100, 0}}, {{0, 60, 1}}, {{0, 40, 1}}}));
+  // 300 elements, 3 ranks, align 1: cuts at 100 and 200 inside the one parameter.
+  EXPECT_EQ(triples(partition_balanced({300}, {true}, 3, 1)),
+            (T{{{0, 100, 0}, {100, 200, 1}, {200, 300, 2}}}));
+  // align 32: the cut at 150 of [0, 300) moves to 160 (the nearest multiple of 32).
+  EXPECT_EQ(triples(partition_balanced({300}, {true}, 2, 32)), (T{{{0, 160, 0}, {160, 300, 1}}}));
+  // An unsplittable parameter goes whole to the rank holding its middle element (element 125
+  // of the line: rank 0); the third parameter starts at the cut (150) and goes to rank 1.
+  EXPECT_EQ(triples(partition_balanced({100, 50, 150}, {true, false, true}, 2, 1)),
+            (T{{{0, 100, 0}}, {{0, 50, 0}}, {{0, 150, 1}}}));
+  // Cuts rounded to multiples of 32 elements within a parameter (here to 0, 32 or 64, or not at
+  // all in the 24-element one) still tile every parameter exactly.
+  const auto tiny = partition_balanced({24, 40}, {true, true}, 4, 32);
+  int64_t covered = 0;
+  for (const auto& row : tiny) {
+    for (const auto& p : row) covered += p.end - p.begin;
+  }
+  EXPECT_EQ(covered, 64);
+  // One rank owns everything; empty parameters get an empty piece.
+  EXPECT_EQ(triples(partition_balanced({5, 0, 7}, {true, true, true}, 1)),
+            (T{{{0, 5, 0}}, {{0, 0, 0}}, {{0, 7, 0}}}));
+  EXPECT_THROW(partition_balanced({1}, {true}, 0), c10::ValueError);
+  EXPECT_THROW(partition_balanced({1}, {true, true}, 2), c10::ValueError);
+  EXPECT_THROW(partition_balanced({1}, {true}, 2, 0), c10::ValueError);
+}
+
 TEST(ZeroShards, ExchangeGivesEveryParameterItsOwnersValues) {
   for (int world : {1, 2, 3, 4}) {
     for (bool bucket_view : {false, true}) {
