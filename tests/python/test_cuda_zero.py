@@ -1,8 +1,9 @@
 """CUDA: ddpx.optim.ZeroRedundancyOptimizer on GPU parameters. Gloo on CUDA tensors (2 ranks on the
 one GPU) against torch's ZeroRedundancyOptimizer (SGD and Adam, both bucket views: the fused
 step's CUDA kernels, the exchange, consolidation through the CPU), and NCCL at world size 1 (NCCL
-refuses two ranks on one GPU) against the unsharded optimizer, with the overlap hook. Skipped
-without a GPU (and without a CUDA build of ddpx)."""
+refuses two ranks on one GPU) against the unsharded optimizer, with the overlap hook; ZeRO-2's
+reduce_scatter_hook (both partitions, and inside the overlap) against DDP's allreduce on both
+backends. Skipped without a GPU (and without a CUDA build of ddpx)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,3 +101,52 @@ def rank_nccl_overlap(rank: int, world_size: int):
 def test_cuda_zero_nccl_overlap_matches_unsharded():
     res = run_ranks(rank_nccl_overlap, 1, backend="nccl", timeout=300)[0]
     assert res["SGD"] <= 1e-6 and res["Adam"] <= 1e-5, res
+
+
+def rank_reduce_scatter(rank: int, world_size: int):
+    """DDP + ddpx.hooks.reduce_scatter_hook + ZeRO (both partitions, and the overlap wrapping
+    it) against DDP's allreduce + the unsharded optimizer, CUDA parameters: on Gloo (2 ranks on
+    the one GPU: the hook's messages go through the CPU) and NCCL (world size 1)."""
+    out = {}
+    backend = dist.get_backend()
+    for cls, kw in OPTIMIZERS:
+        for mode in ("unsharded", "sorted_greedy", "balanced", "overlap"):
+            model = _model()
+            ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.5)
+            if mode == "unsharded":
+                opt = cls(ddp.parameters(), **kw)
+            else:
+                opt = ddpx.optim.ZeroRedundancyOptimizer(
+                    ddp.parameters(), optimizer_class=cls, overlap_with_ddp=mode == "overlap",
+                    partition="sorted_greedy" if mode == "sorted_greedy" else "balanced", **kw)
+                hook = ddpx.hooks.reduce_scatter_hook
+                if mode == "overlap":
+                    hook = ddpx.hooks.hook_with_zero_step(hook, ddp, opt)
+                ddp.register_comm_hook(opt, hook)
+            side = torch.cuda.Stream()
+            for step in range(3):
+                g = torch.Generator().manual_seed(40 + 7 * step + rank)
+                x = torch.randn(8, 64, generator=g).cuda()
+                opt.zero_grad()
+                with torch.cuda.stream(side):  # a busy side stream while the hook runs
+                    busy = torch.randn(1024, 1024, device="cuda") @ torch.randn(1024, 1024,
+                                                                               device="cuda")
+                ddp(x).pow(2).mean().backward()
+                if mode != "overlap":
+                    opt.step()
+                del busy
+            torch.cuda.synchronize()
+            out[(backend, cls.__name__, mode)] = [p.detach().cpu() for p in model.parameters()]
+    errs = {}
+    for (b, name, mode), params in out.items():
+        ref = out[(b, name, "unsharded")]
+        errs[f"{b}/{name}/{mode}"] = max(((a - r).abs().max() / r.abs().max()).item()
+                                         for a, r in zip(params, ref))
+    return errs
+
+
+@pytest.mark.parametrize("backend,world_size", [("gloo", 2), ("nccl", 1)])
+def test_cuda_reduce_scatter_hook_matches_allreduce(backend, world_size):
+    for errs in run_ranks(rank_reduce_scatter, world_size, backend=backend, timeout=300):
+        for key, err in errs.items():
+            assert err <= 1e-5, (key, err)

@@ -21,6 +21,8 @@ What a user sees: after ``backward()``, ``param.grad`` holds the averaged gradie
 this rank owns and zeros elsewhere, so anything that reads whole gradients on every rank (gradient
 clipping by global norm, an unsharded optimizer) must not be used with it. DDP's own gradient
 buckets stay allocated (DDP owns them), so the saving is in bytes sent, not in memory.
+Not with ``torch.distributed.algorithms.join.Join`` (uneven inputs): a joined rank shadows DDP's
+all-reduces, not these point-to-point messages, so the other ranks would wait for it.
 
 How: at bucket i, each rank divides the bucket by the world size and sends every other rank the
 elements that rank owns (one message per peer: the owner's ranges packed, or a view when they are
@@ -93,7 +95,7 @@ def _finish(item: _Pending, rank: int) -> None:
         if mine:
             total = _gather(buffer, mine)  # a view of the bucket for one range, else a copy
             for received in item.recvs:
-                total.add_(received)
+                total.add_(received.to(buffer.device, non_blocking=True))
             if len(mine) > 1:
                 offset = 0
                 for b, e in mine:
@@ -156,25 +158,30 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     else:
         future = torch.futures.Future()
     world, rank, pg = zero.world_size, zero.rank, zero.process_group
+    # Where the bytes travel: the bucket's device, or the CPU for Gloo on CUDA tensors (Gloo's
+    # send/recv take CPU tensors).
+    wire = zero._comm_device()
     buffer.div_(world)
     works, recvs, keep = [], [], []
-    if world > 1:
-        tag = bucket.index()
-        for peer in range(world):
-            if peer == rank or not layout.counts[peer]:
-                continue
-            out = _gather(buffer, layout.ranges[peer])
+    tag = bucket.index()
+    for peer in range(world):
+        if peer == rank:
+            continue
+        ops = []
+        if layout.counts[peer]:
+            out = _gather(buffer, layout.ranges[peer]).to(wire)
             keep.append(out)
-            works.append(pg.send([out], peer, tag))
+            ops.append(lambda out=out: pg.send([out], peer, tag))
             hs.sent_elements += out.numel()
         if layout.counts[rank]:
-            for peer in range(world):
-                if peer == rank:
-                    continue
-                incoming = torch.empty(layout.counts[rank], dtype=buffer.dtype,
-                                       device=buffer.device)
-                recvs.append(incoming)
-                works.append(pg.recv([incoming], peer, tag))
+            incoming = torch.empty(layout.counts[rank], dtype=buffer.dtype, device=wire)
+            recvs.append(incoming)
+            ops.append(lambda incoming=incoming: pg.recv([incoming], peer, tag))
+        # The lower rank of a pair sends first, the higher receives first: NCCL runs a pair's
+        # operations in order on one stream, where "both send first" could wait forever.
+        if rank > peer:
+            ops.reverse()
+        works.extend(op() for op in ops)
     hs.pending.append(_Pending(buffer, layout, works, recvs, future, keep))
     # Complete the buckets whose messages have all arrived (in order, without waiting), and at
     # the last bucket every one, waiting: the backward computation never blocks on a transfer.
