@@ -800,55 +800,115 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   TORCH_CHECK_VALUE(pg,
                     "ZeroRedundancyOptimizer: process_group is null (this rank is not a "
                     "member of the group)");
+  const bool balanced = options.partition == ZeroPartition::kBalanced;
+  TORCH_CHECK_VALUE(!(balanced && options.parameters_as_bucket_view),
+                    "ZeroRedundancyOptimizer: the balanced partition does not support "
+                    "parameters_as_bucket_view in C++");
   std::vector<std::vector<int64_t>> numels;
-  std::vector<at::Tensor> params;
-  std::vector<bool> trainable;
   for (const auto& group : param_groups) {
     std::vector<int64_t> sizes;
     for (const at::Tensor& p : group.params()) {
       TORCH_CHECK_VALUE(p.defined(), "ZeroRedundancyOptimizer: an undefined parameter");
       sizes.push_back(p.numel());
-      params.push_back(p);
-      trainable.push_back(p.requires_grad());
+      params_.push_back(p);
     }
     numels.push_back(std::move(sizes));
   }
-  const auto owners_per_group = partition_sorted_greedy(numels, pg->getSize());
-  std::vector<int64_t> owners;
-  std::vector<torch::optim::OptimizerParamGroup> local_groups;
+  const int64_t world = pg->getSize();
   const int64_t rank = pg->getRank();
+  std::vector<std::vector<int64_t>> greedy;
+  if (!balanced) greedy = partition_sorted_greedy(numels, world);
+  // The engine's units (a parameter, or one piece of it), their owners and trainability.
+  std::vector<at::Tensor> units;
+  std::vector<int64_t> owners;
+  std::vector<bool> trainable;
+  std::vector<torch::optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups.size(); ++g) {
     const auto& group_params = param_groups[g].params();
-    // This rank's share in torch's order: largest first.
-    std::vector<size_t> order(group_params.size());
-    std::iota(order.begin(), order.end(), size_t{0});
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return numels[g][a] > numels[g][b]; });
     std::vector<at::Tensor> mine;
-    for (size_t i : order) {
-      if (owners_per_group[g][i] == rank) mine.push_back(group_params[i]);
+    if (balanced) {
+      std::vector<bool> splittable;
+      for (const at::Tensor& p : group_params) splittable.push_back(p.is_contiguous());
+      // Each group's line is cut on its own (as in Python: add_param_group keeps earlier ones).
+      const auto rows = partition_balanced(numels[g], splittable, world);
+      pieces_.insert(pieces_.end(), rows.begin(), rows.end());
+      for (size_t i = 0; i < group_params.size(); ++i) {
+        const at::Tensor& p = group_params[i];
+        const auto& row = rows[i];
+        for (const ZeroPiece& piece : row) {
+          at::Tensor unit =
+              row.size() == 1 ? p : p.detach().view(-1).slice(0, piece.begin, piece.end);
+          units.push_back(unit);
+          owners.push_back(piece.owner);
+          trainable.push_back(p.requires_grad());
+          if (piece.owner != rank) continue;
+          mine.push_back(unit);
+          if (row.size() > 1) split_.push_back({p, unit, piece.begin, piece.end});
+        }
+      }
+    } else {
+      // This rank's share in torch's order: largest first.
+      std::vector<size_t> order(group_params.size());
+      std::iota(order.begin(), order.end(), size_t{0});
+      std::stable_sort(order.begin(), order.end(),
+                       [&](size_t a, size_t b) { return numels[g][a] > numels[g][b]; });
+      for (size_t i : order) {
+        if (greedy[g][i] == rank) mine.push_back(group_params[i]);
+      }
+      for (size_t i = 0; i < group_params.size(); ++i) {
+        const at::Tensor& p = group_params[i];
+        units.push_back(p);
+        owners.push_back(greedy[g][i]);
+        trainable.push_back(p.requires_grad());
+        pieces_.push_back({ZeroPiece{0, p.numel(), greedy[g][i]}});
+      }
     }
-    owners.insert(owners.end(), owners_per_group[g].begin(), owners_per_group[g].end());
     if (param_groups[g].has_options()) {
       local_groups.emplace_back(std::move(mine), param_groups[g].options().clone());
     } else {
       local_groups.emplace_back(std::move(mine));
     }
   }
-  shards_ = std::make_unique<ZeroShards>(std::move(params), std::move(owners), std::move(trainable),
+  shards_ = std::make_unique<ZeroShards>(std::move(units), std::move(owners), std::move(trainable),
                                          std::move(pg), options);
   local_ = make_local(std::move(local_groups));
   TORCH_CHECK_VALUE(local_, "ZeroRedundancyOptimizer: make_local returned no optimizer");
 }
 
+void ZeroRedundancyOptimizer::bind_piece_grads() const {
+  for (const BoundPiece& b : split_) {
+    const at::Tensor& grad = b.param.grad();
+    const_cast<at::Tensor&>(b.unit).mutable_grad() =
+        grad.defined() ? grad.reshape(-1).slice(0, b.begin, b.end) : at::Tensor();
+  }
+}
+
 at::Tensor ZeroRedundancyOptimizer::step(torch::optim::Optimizer::LossClosure closure) {
-  at::Tensor loss = local_->step(std::move(closure));
+  bind_piece_grads();
+  at::Tensor loss;
+  try {
+    if (closure && !split_.empty()) {
+      // The closure recomputes the parameters' gradients: the pieces take the new ones.
+      loss = local_->step([&]() {
+        at::Tensor l = closure();
+        bind_piece_grads();
+        return l;
+      });
+    } else {
+      loss = local_->step(std::move(closure));
+    }
+  } catch (...) {
+    for (const BoundPiece& b : split_)
+      const_cast<at::Tensor&>(b.unit).mutable_grad() = at::Tensor();
+    throw;
+  }
+  for (const BoundPiece& b : split_) const_cast<at::Tensor&>(b.unit).mutable_grad() = at::Tensor();
   shards_->exchange();
   return loss;
 }
 
 void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
-  for (const at::Tensor& p : shards_->params()) {
+  for (const at::Tensor& p : params_) {
     at::Tensor& grad = const_cast<at::Tensor&>(p).mutable_grad();
     if (!grad.defined()) continue;
     if (set_to_none) {

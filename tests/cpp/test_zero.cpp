@@ -371,13 +371,14 @@ TEST(ZeroShards, BadArguments) {
 
 // The C++ class over torch::optim optimizers equals the unsharded optimizer bit for bit.
 template <typename Make>
-void expect_matches_unsharded(int world, bool bucket_view, Make make) {
+void expect_matches_unsharded(int world, bool bucket_view, Make make, bool balanced = false) {
   ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
     auto params = make_params(9);
     auto reference = make_params(9);
     ZeroOptions o;
     o.parameters_as_bucket_view = bucket_view;
     o.bucket_cap_bytes = 128;
+    if (balanced) o.partition = ddpx::optim::ZeroPartition::kBalanced;
     // Two groups, the second with its own learning rate.
     std::vector<torch::optim::OptimizerParamGroup> groups;
     groups.emplace_back(std::vector<at::Tensor>(params.begin(), params.begin() + 4));
@@ -390,11 +391,21 @@ void expect_matches_unsharded(int world, bool bucket_view, Make make) {
                             groups[1].options().clone());
     ZeroRedundancyOptimizer zero(groups, make, pg, o);
     auto unsharded = make(std::move(ref_groups));
-    size_t local = 0;
-    for (const auto& g : zero.local().param_groups()) local += g.params().size();
-    size_t owned = 0;
-    for (size_t i = 0; i < zero.params().size(); ++i) owned += zero.owner_of(i) == rank;
+    // The local optimizer holds exactly this rank's elements (whole parameters, or pieces).
+    int64_t local = 0;
+    for (const auto& g : zero.local().param_groups()) {
+      for (const auto& u : g.params()) local += u.numel();
+    }
+    int64_t owned = 0;
+    bool split = false;
+    for (size_t i = 0; i < zero.params().size(); ++i) {
+      split = split || zero.pieces(i).size() > 1;
+      for (const auto& piece : zero.pieces(i)) {
+        if (piece.owner == rank) owned += piece.end - piece.begin;
+      }
+    }
     EXPECT_EQ(local, owned);
+    if (balanced && world > 1) EXPECT_TRUE(split) << "no parameter split at world " << world;
     for (int64_t step = 0; step < 3; ++step) {
       const auto grads = grads_for(params, step);
       zero.zero_grad();
@@ -441,6 +452,23 @@ TEST(ZeroRedundancyOptimizer, SGDMatchesUnshardedSGD) {
   }
 }
 
+// Balanced: the 64x33 weight is split between ranks; the pieces' updates (Adam, SGD with
+// momentum: elementwise) equal the unsharded optimizer's bit for bit.
+TEST(ZeroRedundancyOptimizer, BalancedMatchesUnsharded) {
+  auto adam = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+    return std::make_shared<torch::optim::Adam>(
+        std::move(g), torch::optim::AdamOptions(0.01).weight_decay(0.1).amsgrad(true));
+  };
+  auto sgd = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+    return std::make_shared<torch::optim::SGD>(
+        std::move(g), torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  };
+  for (int world : {1, 2, 3, 4}) {
+    expect_matches_unsharded(world, false, adam, /*balanced=*/true);
+    expect_matches_unsharded(world, false, sgd, /*balanced=*/true);
+  }
+}
+
 TEST(ZeroRedundancyOptimizer, BadArguments) {
   ddpx_test::run_ranks(2, [&](int, const ProcessGroupPtr& pg) {
     auto p = make_params(0);
@@ -455,6 +483,10 @@ TEST(ZeroRedundancyOptimizer, BadArguments) {
       return std::shared_ptr<torch::optim::Optimizer>();
     };
     EXPECT_THROW(ZeroRedundancyOptimizer(groups, none, pg), c10::ValueError);
+    ZeroOptions balanced_views;
+    balanced_views.partition = ddpx::optim::ZeroPartition::kBalanced;
+    balanced_views.parameters_as_bucket_view = true;
+    EXPECT_THROW(ZeroRedundancyOptimizer(groups, make, pg, balanced_views), c10::ValueError);
   });
 }
 

@@ -63,6 +63,13 @@ std::vector<std::vector<ZeroPiece>> partition_balanced(const std::vector<int64_t
                                                        const std::vector<bool>& splittable,
                                                        int64_t world_size, int64_t align = 32);
 
+// How ZeroRedundancyOptimizer (the C++ class) assigns parameters to ranks.
+enum class ZeroPartition {
+  kSortedGreedy,  // torch's: whole tensors (partition_sorted_greedy)
+  kBalanced,      // ddpx's: even shares, large tensors split (partition_balanced); only for
+                  // optimizers whose update is elementwise (SGD, Adam, AdamW, Adagrad, RMSprop)
+};
+
 struct ZeroOptions {
   // true: each rank's trainable parameters (per device) are packed into one flat tensor and
   // every such parameter's data becomes a view of it (torch's parameters_as_bucket_view).
@@ -71,6 +78,9 @@ struct ZeroOptions {
   // a contiguous parameter of at least 256 KiB (or a quarter of this, if less) travels in its
   // own storage.
   int64_t bucket_cap_bytes = comm::kDefaultBucketBytes;
+  // Read by ZeroRedundancyOptimizer only (ZeroShards is given its owners). With kBalanced, each
+  // parameter group is partitioned on its own, and bucket views are not supported.
+  ZeroPartition partition = ZeroPartition::kSortedGreedy;
 };
 
 // What one exchange did (tests and benchmarks).
@@ -238,7 +248,10 @@ class ZeroRedundancyOptimizer {
                           ZeroOptions options = {});
 
   // The local optimizer's step on this rank's shard (with the closure, if any), then the
-  // exchange. Returns the closure's loss (undefined without one). Every rank must call it.
+  // exchange. Returns the closure's loss (undefined without one). Every rank must call it. With
+  // the balanced partition the local optimizer holds slices of split parameters (views of their
+  // flattened values): they are given the matching slices of the parameters' gradients for the
+  // step, and none after it.
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr);
   // Every parameter's gradient (not only the shard's): dropped, or zeroed with false.
   void zero_grad(bool set_to_none = true);
@@ -246,13 +259,24 @@ class ZeroRedundancyOptimizer {
   torch::optim::Optimizer& local() { return *local_; }
   const std::shared_ptr<torch::optim::Optimizer>& local_ptr() const { return local_; }
   const ZeroShards& shards() const { return *shards_; }
-  // Every parameter, in the groups' order, and the rank that owns each.
-  const std::vector<at::Tensor>& params() const { return shards_->params(); }
-  int64_t owner_of(size_t index) const { return shards_->owners().at(index); }
+  // Every parameter, in the groups' order, and the rank that owns each (under the balanced
+  // partition: the owner of its first piece; pieces(index) has them all).
+  const std::vector<at::Tensor>& params() const { return params_; }
+  int64_t owner_of(size_t index) const { return pieces_.at(index).front().owner; }
+  const std::vector<ZeroPiece>& pieces(size_t index) const { return pieces_.at(index); }
 
  private:
+  struct BoundPiece {  // this rank's slice of a split parameter
+    at::Tensor param, unit;
+    int64_t begin, end;
+  };
+  void bind_piece_grads() const;
+
   std::shared_ptr<torch::optim::Optimizer> local_;
   std::unique_ptr<ZeroShards> shards_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::vector<ZeroPiece>> pieces_;
+  std::vector<BoundPiece> split_;
 };
 
 }  // namespace optim
