@@ -16,5 +16,14 @@ namespace kernels {
 void sgd_cuda(const SgdTensor& t, DType dtype, const SgdScalars& s, cudaStream_t stream);
 void adam_cuda(const AdamTensor& t, DType dtype, const AdamScalars& s, cudaStream_t stream);
 
+// Many tensors, each with its own scalars (an SGD buffer's first step, an Adam step's bias
+// corrections), in as few launches as possible: kMultiTensors (multi_tensor.h) per launch instead
+// of one launch per tensor. The same element updates, so the same results bit for bit. Every
+// tensor is checked before anything is launched (std::invalid_argument).
+void sgd_cuda_multi(const SgdTensor* t, const SgdScalars* s, int64_t count, DType dtype,
+                    cudaStream_t stream);
+void adam_cuda_multi(const AdamTensor* t, const AdamScalars* s, int64_t count, DType dtype,
+                     cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace ddpx

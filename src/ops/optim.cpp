@@ -98,5 +98,86 @@ void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   run(param, t, dt, s);
 }
 
+namespace {
+
+// Whether the multi-tensor CUDA launch takes these tensors: all on params[0]'s CUDA device, in
+// its dtype (else one update per tensor, each on its own device).
+bool multi_cuda(const std::vector<at::Tensor>& params) {
+  if (params.empty() || !params[0].is_cuda()) return false;
+  for (const at::Tensor& p : params) {
+    if (p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void sgd_update_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& bufs,
+                      const std::vector<kernels::SgdScalars>& s) {
+  TORCH_INTERNAL_ASSERT(grads.size() == params.size() && bufs.size() == params.size() &&
+                        s.size() == params.size());
+  if (!multi_cuda(params)) {
+    for (size_t i = 0; i < params.size(); ++i) sgd_update(params[i], grads[i], bufs[i], s[i]);
+    return;
+  }
+  TORCH_CHECK(kWithCuda, "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+#ifdef DDPX_WITH_CUDA
+  const kernels::DType dt = check_like(params[0], params[0], "param");
+  std::vector<kernels::SgdTensor> ts(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_like(params[i], params[i], "param");
+    check_like(params[i], grads[i], "grad");
+    if (s[i].momentum != 0) check_like(params[i], bufs[i], "momentum_buffer");
+    ts[i].param = params[i].data_ptr();
+    ts[i].grad = grads[i].data_ptr();
+    ts[i].buf = s[i].momentum != 0 ? bufs[i].data_ptr() : nullptr;
+    ts[i].n = params[i].numel();
+  }
+  const CudaLaunch launch(params[0]);
+  kernels::sgd_cuda_multi(ts.data(), s.data(), static_cast<int64_t>(ts.size()), dt,
+                          launch.stream());
+#endif
+}
+
+void adam_update_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& exp_avgs,
+                       const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& max_exp_avg_sqs,
+                       const std::vector<kernels::AdamScalars>& s) {
+  TORCH_INTERNAL_ASSERT(grads.size() == params.size() && exp_avgs.size() == params.size() &&
+                        exp_avg_sqs.size() == params.size() &&
+                        max_exp_avg_sqs.size() == params.size() && s.size() == params.size());
+  if (!multi_cuda(params)) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      adam_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], s[i]);
+    }
+    return;
+  }
+  TORCH_CHECK(kWithCuda, "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+#ifdef DDPX_WITH_CUDA
+  const kernels::DType dt = check_like(params[0], params[0], "param");
+  std::vector<kernels::AdamTensor> ts(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_like(params[i], params[i], "param");
+    check_like(params[i], grads[i], "grad");
+    check_like(params[i], exp_avgs[i], "exp_avg");
+    check_like(params[i], exp_avg_sqs[i], "exp_avg_sq");
+    if (s[i].amsgrad) check_like(params[i], max_exp_avg_sqs[i], "max_exp_avg_sq");
+    ts[i].param = params[i].data_ptr();
+    ts[i].grad = grads[i].data_ptr();
+    ts[i].exp_avg = exp_avgs[i].data_ptr();
+    ts[i].exp_avg_sq = exp_avg_sqs[i].data_ptr();
+    ts[i].max_exp_avg_sq = s[i].amsgrad ? ptr_or_null(max_exp_avg_sqs[i]) : nullptr;
+    ts[i].n = params[i].numel();
+  }
+  const CudaLaunch launch(params[0]);
+  kernels::adam_cuda_multi(ts.data(), s.data(), static_cast<int64_t>(ts.size()), dt,
+                           launch.stream());
+#endif
+}
+
 }  // namespace ops
 }  // namespace ddpx

@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 #include "kernels/optim.h"
 
 namespace ddpx {
@@ -22,6 +24,18 @@ void sgd_update(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
 void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                  const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,
                  const kernels::AdamScalars& s);
+
+// Many updates, each with its own scalars (s[i] for params[i]; bufs / max_exp_avg_sqs entries
+// may be undefined where unused): on CUDA (every tensor on params[0]'s device) in multi-tensor
+// launches, on CPU one tensor after another. The same results as one call per tensor.
+void sgd_update_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& bufs,
+                      const std::vector<kernels::SgdScalars>& s);
+void adam_update_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& exp_avgs,
+                       const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& max_exp_avg_sqs,
+                       const std::vector<kernels::AdamScalars>& s);
 
 }  // namespace ops
 }  // namespace ddpx

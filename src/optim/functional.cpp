@@ -99,11 +99,14 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
   s.weight_decay = opts.weight_decay;
   s.nesterov = opts.nesterov;
   s.maximize = opts.maximize;
+  std::vector<kernels::SgdScalars> per(n, s);
+  std::vector<at::Tensor> bufs(n);
   for (size_t i = 0; i < n; ++i) {
-    s.init_buffer = momentum && !momentum_buffers[i].defined();
-    if (s.init_buffer) momentum_buffers[i] = at::empty_like(params[i]);  // written, not read
-    ops::sgd_update(params[i], grads[i], momentum ? momentum_buffers[i] : at::Tensor(), s);
+    per[i].init_buffer = momentum && !momentum_buffers[i].defined();
+    if (per[i].init_buffer) momentum_buffers[i] = at::empty_like(params[i]);  // written, not read
+    if (momentum) bufs[i] = momentum_buffers[i];
   }
+  ops::sgd_update_multi(params, grads, bufs, per);
 }
 
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -145,23 +148,25 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   s.decoupled_weight_decay = decoupled_weight_decay;
   s.formula =
       compat::kAdamLerpsExpAvg ? kernels::AdamFormula::kTorch2 : kernels::AdamFormula::kTorch1;
+  std::vector<kernels::AdamScalars> per(n, s);
+  std::vector<at::Tensor> maxes(n);
   for (size_t i = 0; i < n; ++i) {
     if (!exp_avgs[i].defined()) exp_avgs[i] = at::zeros_like(params[i]);
     if (!exp_avg_sqs[i].defined()) exp_avg_sqs[i] = at::zeros_like(params[i]);
     if (opts.amsgrad && !max_exp_avg_sqs[i].defined()) {
       max_exp_avg_sqs[i] = at::zeros_like(params[i]);
     }
+    if (opts.amsgrad) maxes[i] = max_exp_avg_sqs[i];
     // torch keeps the step in a float32 tensor and computes the corrections in Python floats.
     steps[i] += 1;
     const double step = static_cast<double>(static_cast<float>(steps[i]));
     const double bias_correction1 = 1 - std::pow(opts.beta1, step);
     const double bias_correction2 = 1 - std::pow(opts.beta2, step);
-    s.step_size = opts.lr / bias_correction1;
-    s.bias_correction2_sqrt =
+    per[i].step_size = opts.lr / bias_correction1;
+    per[i].bias_correction2_sqrt =
         compat::kAdamLerpsExpAvg ? std::pow(bias_correction2, 0.5) : std::sqrt(bias_correction2);
-    ops::adam_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                     opts.amsgrad ? max_exp_avg_sqs[i] : at::Tensor(), s);
   }
+  ops::adam_update_multi(params, grads, exp_avgs, exp_avg_sqs, maxes, per);
 }
 
 // ---- stateful wrappers ----------------------------------------------------------------------

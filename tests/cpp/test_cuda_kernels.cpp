@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -349,6 +350,90 @@ TEST(OptimCuda, AdamMatchesCpuBitForBit) {
     check_optim_cuda<float>(DType::kFloat32, true, flags);
     check_optim_cuda<double>(DType::kFloat64, true, flags);
   }
+}
+
+// Multi-tensor launches: many tensors of awkward sizes (empty, one element, block boundaries,
+// more than one launch's worth), each with its own scalars, equal the CPU kernels bit for bit.
+template <typename T>
+void check_optim_cuda_multi(DType dt, bool adam) {
+  const std::vector<int64_t> sizes{
+      0, 1, 255,  256, 257, 100003, 7,    0,    3000, 33,
+      1, 2, 4096, 9,   65,  513,    1024, 1025, 5,    300001};  // 20: two launches
+  const size_t count = sizes.size();
+  std::vector<std::vector<T>> hp, hg, hm, hv, hx;
+  std::deque<DeviceBuffer> dp, dg, dm, dv, dx;  // DeviceBuffer does not move
+  for (size_t i = 0; i < count; ++i) {
+    const int64_t n = sizes[i];
+    hp.push_back(random_values<T>(n, 10 + i, false));
+    hg.push_back(random_values<T>(n, 100 + i, false));
+    hm.push_back(random_values<T>(n, 200 + i, false));
+    hv.push_back(random_values<T>(n, 300 + i, true));
+    hx.push_back(random_values<T>(n, 400 + i, true));
+    for (auto [h, d] :
+         {std::make_pair(&hp, &dp), std::make_pair(&hg, &dg), std::make_pair(&hm, &dm),
+          std::make_pair(&hv, &dv), std::make_pair(&hx, &dx)}) {
+      d->emplace_back(n * sizeof(T));
+      upload(h->back(), d->back());
+    }
+  }
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<k::AdamScalars> as(count);
+    std::vector<k::SgdScalars> ss(count);
+    std::vector<k::AdamTensor> ah(count), ad(count);
+    std::vector<k::SgdTensor> sh(count), sd(count);
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t n = sizes[i];
+      const int s_i = step + static_cast<int>(i % 3);  // per-tensor steps differ
+      as[i].lr = 0.01;
+      as[i].beta1 = 0.9;
+      as[i].beta2 = 0.999;
+      as[i].eps = 1e-8;
+      as[i].weight_decay = i % 2 ? 0.1 : 0.0;
+      as[i].amsgrad = i % 4 == 1;
+      as[i].decoupled_weight_decay = i % 3 == 0;
+      as[i].step_size = as[i].lr / (1 - std::pow(as[i].beta1, s_i));
+      as[i].bias_correction2_sqrt = std::sqrt(1 - std::pow(as[i].beta2, s_i));
+      ss[i].lr = 0.1;
+      ss[i].momentum = i % 5 == 2 ? 0.0 : 0.9;
+      ss[i].dampening = 0.1;
+      ss[i].weight_decay = 0.01;
+      ss[i].nesterov = i % 2 == 0;
+      ss[i].init_buffer = step == 1;
+      ah[i] = {hp[i].data(), hg[i].data(), hm[i].data(), hv[i].data(), hx[i].data(), n};
+      ad[i] = {dp[i].ptr, dg[i].ptr, dm[i].ptr, dv[i].ptr, dx[i].ptr, n};
+      sh[i] = {hp[i].data(), hg[i].data(), hm[i].data(), n};
+      sd[i] = {dp[i].ptr, dg[i].ptr, dm[i].ptr, n};
+      if (adam) {
+        k::adam_cpu(ah[i], dt, as[i], 0, n);
+      } else {
+        k::sgd_cpu(sh[i], dt, ss[i], 0, n);
+      }
+    }
+    if (adam) {
+      k::adam_cuda_multi(ad.data(), as.data(), static_cast<int64_t>(count), dt, nullptr);
+    } else {
+      k::sgd_cuda_multi(sd.data(), ss.data(), static_cast<int64_t>(count), dt, nullptr);
+    }
+  }
+  DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (size_t i = 0; i < count; ++i) {
+    if (sizes[i] == 0) continue;
+    expect_same_buffer(hp[i], dp[i], "param");
+    expect_same_buffer(hm[i], dm[i], adam ? "exp_avg" : "momentum_buffer");
+    if (adam) expect_same_buffer(hv[i], dv[i], "exp_avg_sq");
+  }
+}
+
+TEST(OptimCuda, MultiTensorMatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  for (bool adam : {false, true}) {
+    check_optim_cuda_multi<float>(DType::kFloat32, adam);
+    check_optim_cuda_multi<double>(DType::kFloat64, adam);
+  }
+  k::SgdTensor t{nullptr, nullptr, nullptr, 5};
+  k::SgdScalars s;
+  s.momentum = 0.9;
+  EXPECT_THROW(k::sgd_cuda_multi(&t, &s, 1, DType::kFloat32, nullptr), std::invalid_argument);
 }
 
 }  // namespace

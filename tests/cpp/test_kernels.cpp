@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/cast.h"
+#include "kernels/multi_tensor.h"
 
 namespace {
 
@@ -590,6 +591,46 @@ TEST(KernelApi, ZeroAndNegativeCountsWriteNothing) {
   k::scaled_cast_cpu(src.data(), DType::kFloat32, dst.data(), DType::kFloat16, -3, 2.0f);
   k::sum_rows_cpu(src.data(), DType::kFloat32, 2, 0, dst.data(), DType::kFloat16, 2.0f);
   EXPECT_TRUE(dst.guard_intact());
+}
+
+// ---- multi-tensor launches: how the blocks are shared (host code; the kernels themselves run
+// in test_cuda_kernels.cpp) ---------------------------------------------------------------------
+
+TEST(MultiTensorPlan, EveryElementIsCoveredByItsTensorsBlocks) {
+  namespace k = ddpx::kernels;
+  const int threads = 256;
+  const std::vector<int64_t> n{0, 1, 255, 256, 257, 0, 100003, 3, 1000000000, 0, 512};
+  int starts[k::kMultiTensors + 1];
+  const int count = static_cast<int>(n.size());
+  const int64_t total = k::plan_blocks(n.data(), count, threads, 1024, starts);
+  EXPECT_EQ(starts[0], 0);
+  EXPECT_EQ(starts[count], total);
+  const std::vector<int64_t> want{0, 1, 1, 1, 2, 0, 391, 1, 1024, 0, 2};
+  for (int i = 0; i < count; ++i) {
+    EXPECT_EQ(starts[i + 1] - starts[i], want[i]) << "tensor " << i;
+  }
+  // Every block maps to a tensor with elements, in order; each tensor's blocks, striding by their
+  // count, visit each of its elements exactly once (checked on the small tensors).
+  std::vector<std::vector<int>> hits(count);
+  for (int i = 0; i < count; ++i) hits[i].assign(n[i] < 200000 ? n[i] : 0, 0);
+  for (int64_t b = 0; b < total; ++b) {
+    const int t = k::tensor_of_block(starts, count, b);
+    ASSERT_GT(n[t], 0) << "block " << b;
+    ASSERT_TRUE(starts[t] <= b && b < starts[t + 1]);
+    if (hits[t].empty()) continue;
+    const int64_t blocks = starts[t + 1] - starts[t];
+    for (int th = 0; th < threads; ++th) {
+      for (int64_t e = (b - starts[t]) * threads + th; e < n[t]; e += blocks * threads) {
+        ++hits[t][e];
+      }
+    }
+  }
+  for (int i = 0; i < count; ++i) {
+    for (size_t e = 0; e < hits[i].size(); ++e) ASSERT_EQ(hits[i][e], 1) << i << ":" << e;
+  }
+  // Nothing to do: no blocks.
+  const int64_t none[2] = {0, 0};
+  EXPECT_EQ(k::plan_blocks(none, 2, threads, 1024, starts), 0);
 }
 
 }  // namespace
