@@ -7,8 +7,9 @@ the torch test's set-up and assertions. All cases of one world size run in a sin
 launch (world 1: torch's SingleRank class; world 2: torch's Distributed class, whose world size
 is 2 on a machine without accelerators; world 4: test_nondefault_process_group, which needs 4);
 each rank records, per case, None or the traceback, and one pytest test per torch test reports
-its case. Not ported: test_zero_join_gpu (GPU), test_zero_model_parallel (4 GPUs),
-test_ddp_zero_overlap (GPU/NCCL in torch; not adapted for lack of time).
+its case. test_ddp_zero_overlap (GPU/NCCL only in torch) is ported to CPU / Gloo, where ddpx's
+overlap works, without torch's warm-up iterations (see _make_overlap_case). Not ported:
+test_zero_join_gpu (GPU), test_zero_model_parallel (4 GPUs).
 """
 import copy
 import functools
@@ -503,6 +504,61 @@ def case_test_nondefault_process_group(rank, world_size):
                                                    msg="Models differ between ranks")
 
 
+def _make_overlap_case(interleaved: bool, gradient_as_bucket_view: bool, static_graph: bool,
+                       shard_buckets: bool):
+    """torch's test_ddp_zero_overlap on CPU / Gloo (torch runs it on GPUs only: its overlap
+    refuses Gloo). One change: torch runs 2 (3 with static_graph) warm-up iterations first,
+    during which its overlap does not step (it waits for DDP's rebuilt buckets) while they
+    still feed DDP; ddpx steps from the first iteration, so those iterations would update the
+    overlap model and not the local one. They are left out, and every input steps both. The
+    torchvision ResNet-50 model (when torchvision is installed) is left out: its 25M parameters
+    x 16 parametrizations take minutes on these CPUs."""
+    import ddpx
+
+    def case(rank, world_size):
+        SGD_LR, SGD_MOMENTUM, SGD_WEIGHT_DECAY, NUM_INPUTS = 0.01, 0.9, 0.001, 5
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1000, 2000), torch.nn.Linear(2000, 500))
+        inputs = [torch.randn(1, 1000) for _ in range(NUM_INPUTS)]
+        hook_constructor = (ddpx.hooks.hook_with_zero_step_interleaved if interleaved
+                            else ddpx.hooks.hook_with_zero_step)
+        ddp_model_overlap = DDP(copy.deepcopy(model),
+                                gradient_as_bucket_view=gradient_as_bucket_view)
+        if static_graph:
+            ddp_model_overlap._set_static_graph()
+        zero_optim = ZeroRedundancyOptimizer(
+            ddp_model_overlap.parameters(), optimizer_class=torch.optim.SGD,
+            overlap_with_ddp=True, lr=SGD_LR, momentum=SGD_MOMENTUM,
+            weight_decay=SGD_WEIGHT_DECAY)
+        ddp_model_overlap.register_comm_hook(
+            None, hook_constructor(ddpx.hooks.allreduce_hook, ddp_model_overlap, zero_optim,
+                                   shard_buckets=shard_buckets))
+        ddp_model_local = DDP(copy.deepcopy(model),
+                              gradient_as_bucket_view=gradient_as_bucket_view)
+        if static_graph:
+            ddp_model_local._set_static_graph()
+        local_optim = torch.optim.SGD(ddp_model_local.parameters(), lr=SGD_LR,
+                                      momentum=SGD_MOMENTUM, weight_decay=SGD_WEIGHT_DECAY)
+        for p1, p2 in zip(ddp_model_overlap.parameters(), ddp_model_local.parameters()):
+            _eq(p1, p2)
+        init_params_overlap = copy.deepcopy(list(ddp_model_overlap.parameters()))
+        dist.barrier()
+        for input in inputs:
+            zero_optim.zero_grad()
+            ddp_model_overlap(input).sum().backward()
+        for input in inputs:
+            local_optim.zero_grad()
+            ddp_model_local(input).sum().backward()
+            local_optim.step()
+        dist.barrier()
+        for p1, p2 in zip(ddp_model_overlap.parameters(), ddp_model_local.parameters()):
+            _eq(p1, p2, **FUSED_TOL)
+        assert any(not torch.equal(a, b) for a, b in
+                   zip(init_params_overlap, ddp_model_overlap.parameters())), "nothing moved"
+        dist.barrier()
+    return case
+
+
 CASES = {
     1: {n: globals()["case_" + n] for n in [
         "test_state_dict", "test_lr_scheduler", "test_step_with_kwargs",
@@ -513,7 +569,11 @@ CASES = {
         "test_add_param_group", "test_multiple_param_groups", "test_collect_shards",
         "test_zero_join_cpu"]},
         **{f"test_local_optimizer_parity[{o}-maximize={m}]": _make_parity_case(o, m)
-           for o in ["Adam", "AdamW", "SGD"] for m in [False, True]}),
+           for o in ["Adam", "AdamW", "SGD"] for m in [False, True]},
+        **{f"test_ddp_zero_overlap[cpu-interleaved={i}-grad_view={g}-static={st}-shard={sh}]":
+           _make_overlap_case(i, g, st, sh)
+           for i in [False, True] for g in [False, True] for st in [False, True]
+           for sh in [False, True]}),
     4: {"test_nondefault_process_group": case_test_nondefault_process_group,
         "test_sharding": case_test_sharding, "test_add_param_group": case_test_add_param_group},
 }
