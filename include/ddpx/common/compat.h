@@ -157,15 +157,17 @@ struct ReducerArgs {
   bool gradient_as_bucket_view = false;
   std::unordered_map<size_t, std::string> param_names;
   int64_t first_bucket_bytes_cap = 1024 * 1024;
+  // 2.x only: the limits the one bucket rebuild after the first iteration uses; empty (as
+  // Python DDP passes without bucket_cap_mb_list): first_bucket_bytes_cap, then bucket_bytes_cap.
+  std::vector<int64_t> bucket_bytes_cap_list;
 };
 
 // A c10d::Reducer (DDP's C++ engine: autograd hooks, buckets, the comm hook) from `args`.
 inline std::shared_ptr<c10d::Reducer> make_reducer(ReducerArgs args) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
   // 2.x: (..., first_bucket_bytes_cap, skip_all_reduce_unused_params, use_python_reducer,
-  // bucket_bytes_cap_list), the limits moved to the end as int64s.
-  std::vector<int64_t> limits(args.per_bucket_size_limits.begin(),
-                              args.per_bucket_size_limits.end());
+  // bucket_bytes_cap_list); per_bucket_size_limits is no longer taken.
+  std::vector<int64_t> limits = std::move(args.bucket_bytes_cap_list);
   return std::make_shared<c10d::Reducer>(
       std::move(args.params), std::move(args.bucket_indices), std::move(args.process_group),
       std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,

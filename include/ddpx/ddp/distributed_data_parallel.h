@@ -1,0 +1,185 @@
+// DistributedDataParallel for libtorch's C++ frontend: torch's Python DDP rebuilt on the same
+// pieces (parameter verification across ranks, the initial broadcast from rank 0, bucket
+// assignment by size, c10d's Reducer with its autograd hooks), so a C++ program trains a
+// torch::nn::Module data-parallel with any ddpx hook, as a Python program does with
+// torch.nn.parallel.DistributedDataParallel.
+//
+//   auto pg = ddpx::init_process_group_from_env("gloo");
+//   torch::nn::Sequential net(torch::nn::Linear(64, 32), torch::nn::ReLU(),
+//                             torch::nn::Linear(32, 10));
+//   ddpx::DistributedDataParallel ddp(net, pg,
+//                                     ddpx::DDPOptions().bucket_cap_mb(25));
+//   ddp.register_comm_hook(ddpx::hooks::powerSGD_hook(state));
+//   torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();  // averaged gradients
+//   { auto guard = ddp.no_sync(); /* accumulate locally */ }
+//
+// `net` itself for a module taking one tensor, torch::nn::AnyModule(m) for other forwards (an
+// AnyModule cannot hold a Sequential). Any other module, through a std::shared_ptr:
+// ddp.prepare_forward(); auto out = net->forward(...); ddp.prepare_backward({out}); backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ddpx/common/process_group.h>
+#include <ddpx/hooks/comm_hook.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class Reducer;
+class Logger;
+}  // namespace c10d
+
+namespace ddpx {
+
+// Python DDP's options of the same names and defaults.
+class DDPOptions {
+ public:
+  // Bucket size in MiB. Unset (the default): 25 MiB buckets and a first bucket of 1 MiB, as
+  // Python's bucket_cap_mb=None; set: every bucket, the first included, holds up to this much.
+  DDPOptions& bucket_cap_mb(double mb) {
+    bucket_cap_mb_ = mb;
+    return *this;
+  }
+  const std::optional<double>& bucket_cap_mb() const { return bucket_cap_mb_; }
+
+#define DDPX_DDP_FLAG(name, default_value) \
+  DDPOptions& name(bool value) {           \
+    name##_ = value;                       \
+    return *this;                          \
+  }                                        \
+  bool name() const { return name##_; }    \
+                                           \
+ private:                                  \
+  bool name##_ = default_value;            \
+                                           \
+ public:
+  DDPX_DDP_FLAG(find_unused_parameters, false)
+  DDPX_DDP_FLAG(gradient_as_bucket_view, false)
+  DDPX_DDP_FLAG(static_graph, false)
+  DDPX_DDP_FLAG(broadcast_buffers, true)
+#undef DDPX_DDP_FLAG
+
+ private:
+  std::optional<double> bucket_cap_mb_;
+};
+
+class DistributedDataParallel {
+ public:
+  // Wraps `module` (its forward() is then ddp.forward()) on `process_group`: verifies that every
+  // rank has the same parameters (c10::ValueError on every rank otherwise), broadcasts rank 0's
+  // parameters and buffers, assigns buckets and builds the Reducer. Every rank must construct it.
+  DistributedDataParallel(torch::nn::AnyModule module, ProcessGroupPtr process_group,
+                          DDPOptions options = {});
+  // A module holder (torch::nn::Sequential, torch::nn::Linear, ...): ddp.forward(x) calls its
+  // forward with one tensor (AnyModule cannot hold a Sequential: its forward is a template).
+  template <typename ModuleType>
+  DistributedDataParallel(torch::nn::ModuleHolder<ModuleType> module, ProcessGroupPtr process_group,
+                          DDPOptions options = {})
+      : DistributedDataParallel(std::shared_ptr<torch::nn::Module>(module.ptr()),
+                                std::move(process_group), options, 0) {
+    auto m = module.ptr();
+    tensor_forward_ = [m](const at::Tensor& x) -> at::Tensor { return m->forward(x); };
+  }
+  // Any module, without a forward through DDP: call prepare_forward() and prepare_backward()
+  // around your own forward.
+  template <typename ModuleType>
+  DistributedDataParallel(std::shared_ptr<ModuleType> module, ProcessGroupPtr process_group,
+                          DDPOptions options = {})
+      : DistributedDataParallel(std::shared_ptr<torch::nn::Module>(std::move(module)),
+                                std::move(process_group), options, 0) {}
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // prepare_forward(), the module's forward, prepare_backward() on its output.
+  template <typename... Args>
+  at::Tensor forward(Args&&... args) {
+    check_forward(sizeof...(Args));
+    prepare_forward();
+    at::Tensor out;
+    if (!any_.is_empty()) {
+      out = any_.forward(std::forward<Args>(args)...);
+    } else {
+      if constexpr (sizeof...(Args) == 1) out = tensor_forward_(std::forward<Args>(args)...);
+    }
+    return prepare_backward({out}).front();
+  }
+  template <typename... Args>
+  at::Tensor operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  // Before a forward pass: the Reducer's per-iteration set-up (unless in no_sync), its one
+  // bucket rebuild after the first iteration, and rank 0's buffers broadcast (broadcast_buffers).
+  void prepare_forward();
+  // After it, with the outputs the loss is computed from (searched for unused parameters with
+  // find_unused_parameters; ignored otherwise). Compute the loss from the tensors it returns:
+  // `outputs` themselves, except in static_graph's first iteration, where they pass through
+  // the identity whose backward lets the Reducer reduce once the backward pass is done (Python's
+  // _DDPSink). Within no_sync() the next backward does not reduce.
+  std::vector<at::Tensor> prepare_backward(const std::vector<at::Tensor>& outputs);
+
+  // A ddpx hook (any ddpx::hooks::CommHookPtr) in the Reducer; once only (c10::Error from the
+  // Reducer on a second call).
+  void register_comm_hook(hooks::CommHookPtr hook);
+  // torch's built-in C++ hooks (c10d::BuiltinCommHookType::ALLREDUCE / FP16_COMPRESS).
+  void register_builtin_comm_hook(c10d::BuiltinCommHookType type);
+
+  // Gradient accumulation: while the guard lives, backward passes accumulate locally and do not
+  // communicate (Python's `with ddp.no_sync():`).
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+
+   private:
+    DistributedDataParallel* ddp_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  torch::nn::Module& module() { return *module_; }
+  const std::shared_ptr<torch::nn::Module>& module_ptr() const { return module_; }
+  // The parameters DDP reduces: the module's with requires_grad, each once, in module order.
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+  const ProcessGroupPtr& process_group() const { return pg_; }
+  const DDPOptions& options() const { return options_; }
+  c10d::Reducer& reducer() { return *reducer_; }
+
+ private:
+  // The constructor the others delegate to (the int tells it from the templates).
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr process_group,
+                          DDPOptions options, int);
+  void init();
+  void check_forward(size_t args) const;
+  void check_same_parameters();
+  at::Tensor sink(const at::Tensor& output);
+  void sync_buffers();
+
+  torch::nn::AnyModule any_;
+  std::function<at::Tensor(const at::Tensor&)> tensor_forward_;
+  std::shared_ptr<torch::nn::Module> module_;
+  ProcessGroupPtr pg_;
+  DDPOptions options_;
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> buffers_;
+  std::shared_ptr<c10d::Reducer> reducer_;
+  std::shared_ptr<c10d::Logger> logger_;
+  bool require_backward_grad_sync_ = true;
+  bool require_forward_param_sync_ = true;
+  bool delay_all_reduce_enqueued_ = false;
+};
+
+}  // namespace ddpx

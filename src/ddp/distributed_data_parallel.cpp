@@ -1,0 +1,255 @@
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <ddpx/comm/bucketed.h>
+#include <ddpx/common/compat.h>
+#include <ddpx/ddp/distributed_data_parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <cstdint>
+#include <sstream>
+#include <torch/csrc/distributed/c10d/logger.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <unordered_set>
+
+namespace ddpx {
+namespace {
+
+// Python DDP's dist._DEFAULT_FIRST_BUCKET_BYTES.
+constexpr int64_t kDefaultFirstBucketBytes = 1024 * 1024;
+constexpr double kDefaultBucketCapMb = 25.0;
+// What Python DDP broadcasts the initial states and buffers in (_sync_module_states).
+constexpr int64_t kBroadcastBucketBytes = 250 * 1024 * 1024;
+
+// FNV-1a over 64-bit words: the same on every process (std::hash need not be).
+uint64_t fnv(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Python's _DDPSink for static_graph's first iteration: the identity on the outputs, whose
+// backward queues Reducer::delay_all_reduce to run when the whole backward pass is done (the
+// Reducer reduces nothing itself in that iteration: it is still learning the graph).
+// The Reducer travels as its address: the DistributedDataParallel that owns it outlives the
+// backward pass it prepared (as Python's _DDPSink holds a weak reference to DDP).
+struct DelayAllReduceSink : public torch::autograd::Function<DelayAllReduceSink> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t reducer) {
+    ctx->saved_data["reducer"] = reducer;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* reducer = reinterpret_cast<c10d::Reducer*>(ctx->saved_data["reducer"].toInt());
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [reducer] { reducer->delay_all_reduce(); });
+    return {grads[0], at::Tensor()};
+  }
+};
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(torch::nn::AnyModule module,
+                                                 ProcessGroupPtr process_group, DDPOptions options)
+    : any_(std::move(module)), pg_(std::move(process_group)), options_(options) {
+  TORCH_CHECK_VALUE(!any_.is_empty(), "DistributedDataParallel: the AnyModule is empty");
+  module_ = any_.ptr();
+  init();
+}
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 ProcessGroupPtr process_group, DDPOptions options,
+                                                 int)
+    : module_(std::move(module)), pg_(std::move(process_group)), options_(options) {
+  TORCH_CHECK_VALUE(module_ != nullptr, "DistributedDataParallel: the module is null");
+  init();
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+void DistributedDataParallel::init() {
+  TORCH_CHECK_VALUE(pg_,
+                    "DistributedDataParallel: process_group is null (this rank is not a "
+                    "member of the group)");
+  if (options_.bucket_cap_mb()) {
+    TORCH_CHECK_VALUE(*options_.bucket_cap_mb() > 0,
+                      "DistributedDataParallel: bucket_cap_mb must be positive, got ",
+                      *options_.bucket_cap_mb());
+  }
+  // The parameters to reduce: requires_grad, each tensor once (shared parameters), module order.
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::unordered_map<size_t, std::string> names;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    names[params_.size()] = item.key();
+    params_.push_back(p);
+  }
+  TORCH_CHECK_VALUE(!params_.empty(),
+                    "DistributedDataParallel is not needed when a module doesn't have any "
+                    "parameter that requires a gradient.");
+  for (const auto& b : module_->buffers(/*recurse=*/true)) buffers_.push_back(b);
+
+  check_same_parameters();
+  // Rank 0's parameters and buffers everywhere (Python's _sync_module_states).
+  {
+    std::vector<at::Tensor> states;
+    for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+      states.push_back(item.value());
+    }
+    states.insert(states.end(), buffers_.begin(), buffers_.end());
+    comm::BucketOptions bo;
+    bo.bucket_cap_bytes = kBroadcastBucketBytes;
+    bo.caller = "DistributedDataParallel";
+    at::NoGradGuard no_grad;
+    comm::run_bucketed(states, pg_, comm::Broadcast(0), bo);
+  }
+
+  // Buckets by size, as Python DDP assigns them, in reverse (the order gradients arrive).
+  const bool default_cap = !options_.bucket_cap_mb().has_value();
+  const auto cap =
+      static_cast<int64_t>(options_.bucket_cap_mb().value_or(kDefaultBucketCapMb) * 1024 * 1024);
+  std::vector<size_t> limits;
+  if (default_cap) limits.push_back(static_cast<size_t>(kDefaultFirstBucketBytes));
+  limits.push_back(static_cast<size_t>(cap));
+  const std::vector<bool> sparse(params_.size(), false);
+  auto assignment = c10d::compute_bucket_assignment_by_size(params_, limits, sparse);
+  auto bucket_indices = std::get<0>(assignment);
+  auto per_bucket_limits = std::get<1>(assignment);
+  std::reverse(bucket_indices.begin(), bucket_indices.end());
+  std::reverse(per_bucket_limits.begin(), per_bucket_limits.end());
+
+  compat::ReducerArgs args;
+  args.params = params_;
+  args.bucket_indices = std::move(bucket_indices);
+  args.per_bucket_size_limits = std::move(per_bucket_limits);
+  args.process_group = pg_;
+  args.expect_sparse_gradients = sparse;
+  args.bucket_bytes_cap = cap;
+  args.find_unused_parameters = options_.find_unused_parameters();
+  args.gradient_as_bucket_view = options_.gradient_as_bucket_view();
+  args.param_names = std::move(names);
+  args.first_bucket_bytes_cap = default_cap ? kDefaultFirstBucketBytes : cap;
+  reducer_ = compat::make_reducer(std::move(args));
+  logger_ = std::make_shared<c10d::Logger>(reducer_);
+  reducer_->set_logger(logger_);
+  if (options_.static_graph()) reducer_->set_static_graph();
+}
+
+// Every rank holds the same parameters (count, shapes, strides, dtypes, device types): one
+// digest, its minimum and maximum over the ranks compared, so a mismatch is a ValueError on every
+// rank (torch's verify_params_across_processes raises on the ranks that differ from rank 0 only,
+// and rank 0 then waits in the next collective).
+void DistributedDataParallel::check_same_parameters() {
+  uint64_t h = 14695981039346656037ull;
+  h = fnv(h, params_.size());
+  for (const at::Tensor& p : params_) {
+    h = fnv(h, static_cast<uint64_t>(p.dim()));
+    for (int64_t s : p.sizes()) h = fnv(h, static_cast<uint64_t>(s));
+    for (int64_t s : p.strides()) h = fnv(h, static_cast<uint64_t>(s));
+    h = fnv(h, static_cast<uint64_t>(p.scalar_type()));
+    h = fnv(h, static_cast<uint64_t>(p.device().type()));
+  }
+  const auto digest = static_cast<int64_t>(h >> 1);  // non-negative
+  std::vector<at::Tensor> lo{at::full({1}, digest, at::kLong)};
+  std::vector<at::Tensor> hi{at::full({1}, digest, at::kLong)};
+  c10d::AllreduceOptions min_opts, max_opts;
+  min_opts.reduceOp = c10d::ReduceOp::MIN;
+  max_opts.reduceOp = c10d::ReduceOp::MAX;
+  pg_->allreduce(lo, min_opts)->wait();
+  pg_->allreduce(hi, max_opts)->wait();
+  if (lo[0].item<int64_t>() == hi[0].item<int64_t>()) return;
+  std::ostringstream mine;
+  for (size_t i = 0; i < params_.size() && i < 8; ++i) {
+    mine << (i ? ", " : "") << params_[i].sizes() << " " << params_[i].scalar_type();
+  }
+  if (params_.size() > 8) mine << ", ...";
+  TORCH_CHECK_VALUE(false,
+                    "DistributedDataParallel: the ranks' modules have different parameters "
+                    "(count, shapes, strides, dtypes or devices); rank ",
+                    pg_->getRank(), " has ", params_.size(), ": ", mine.str(),
+                    ". Build the same model on every rank.");
+}
+
+at::Tensor DistributedDataParallel::sink(const at::Tensor& output) {
+  if (!options_.static_graph() || delay_all_reduce_enqueued_ || !output.requires_grad()) {
+    return output;
+  }
+  delay_all_reduce_enqueued_ = true;
+  return DelayAllReduceSink::apply(output, reinterpret_cast<int64_t>(reducer_.get()));
+}
+
+void DistributedDataParallel::check_forward(size_t args) const {
+  TORCH_CHECK_VALUE(!any_.is_empty() || (tensor_forward_ && args == 1),
+                    "DistributedDataParallel.forward: ",
+                    tensor_forward_ ? "this module's forward takes one tensor here (wrap it in a "
+                                      "torch::nn::AnyModule for other arguments)"
+                                    : "built from a module without a forward DDP can call; call "
+                                      "prepare_forward() and prepare_backward(outputs) around "
+                                      "the module's own forward");
+}
+
+void DistributedDataParallel::prepare_forward() {
+  const bool grad = at::GradMode::is_enabled();
+  if (grad && require_backward_grad_sync_) reducer_->prepare_for_forward();
+  // Once, after the first iteration: buckets in the order gradients actually arrived.
+  if (grad) reducer_->rebuild_buckets();
+  if (options_.broadcast_buffers() && require_forward_param_sync_ && !buffers_.empty() &&
+      pg_->getSize() > 1) {
+    sync_buffers();
+  }
+}
+
+std::vector<at::Tensor> DistributedDataParallel::prepare_backward(
+    const std::vector<at::Tensor>& outputs) {
+  if (!at::GradMode::is_enabled() || !require_backward_grad_sync_) {
+    require_forward_param_sync_ = false;
+    return outputs;
+  }
+  require_forward_param_sync_ = true;
+  if (options_.find_unused_parameters() && !options_.static_graph()) {
+    reducer_->prepare_for_backward(outputs);
+  } else {
+    reducer_->prepare_for_backward({});
+  }
+  if (!options_.static_graph() || delay_all_reduce_enqueued_) return outputs;
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& o : outputs) out.push_back(o.defined() ? sink(o) : o);
+  return out;
+}
+
+void DistributedDataParallel::sync_buffers() {
+  comm::BucketOptions bo;
+  bo.bucket_cap_bytes = kBroadcastBucketBytes;
+  bo.caller = "DistributedDataParallel (broadcast_buffers)";
+  at::NoGradGuard no_grad;
+  comm::run_bucketed(buffers_, pg_, comm::Broadcast(0), bo);
+}
+
+void DistributedDataParallel::register_comm_hook(hooks::CommHookPtr hook) {
+  TORCH_CHECK_VALUE(hook != nullptr, "DistributedDataParallel.register_comm_hook: null hook");
+  reducer_->register_comm_hook(std::make_unique<hooks::SharedCommHook>(std::move(hook)));
+}
+
+void DistributedDataParallel::register_builtin_comm_hook(c10d::BuiltinCommHookType type) {
+  reducer_->register_builtin_comm_hook(type);
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
+    : ddp_(&ddp), previous_(ddp.require_backward_grad_sync_) {
+  ddp.require_backward_grad_sync_ = false;
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept
+    : ddp_(other.ddp_), previous_(other.previous_) {
+  other.ddp_ = nullptr;
+}
+
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  if (ddp_ != nullptr) ddp_->require_backward_grad_sync_ = previous_;
+}
+
+}  // namespace ddpx

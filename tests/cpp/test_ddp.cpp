@@ -1,0 +1,319 @@
+// ddpx::DistributedDataParallel (ddpx/ddp.h) on 2-3 Gloo ranks as threads (test_utils.h):
+//   * construction makes every rank hold rank 0's parameters (each rank starts from its own);
+//   * after backward, every gradient equals the closed-form mean of the ranks' local gradients
+//     (computed here on a plain copy of the model), with the default buckets, many small
+//     buckets, gradient_as_bucket_view, static_graph, ddpx's allreduce hook, torch's built-in
+//     ALLREDUCE, and ddpx's fp16 hook (within fp16 rounding);
+//   * no_sync() accumulates locally and the next synchronised backward averages the sum;
+//   * find_unused_parameters with a branch the forward skips;
+//   * prepare_forward / prepare_backward for a module given as a std::shared_ptr;
+//   * bad input: no trainable parameter, a second hook, a null group, parameters that differ
+//     across ranks (an error on every rank, not a hang); init_process_group's argument checks.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <arpa/inet.h>
+#include <c10/util/Exception.h>
+#include <ddpx/ddp.h>
+#include <ddpx/hooks/allreduce_hook.h>
+#include <ddpx/hooks/compress_hook.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_utils.h"
+
+namespace {
+
+using ddpx::DDPOptions;
+using ddpx::DistributedDataParallel;
+using ddpx::ProcessGroupPtr;
+
+torch::nn::Sequential make_net(int64_t seed) {
+  torch::nn::Sequential net(torch::nn::Linear(8, 48), torch::nn::Tanh(), torch::nn::Linear(48, 40),
+                            torch::nn::Tanh(), torch::nn::Linear(40, 3));
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
+  at::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+  return net;
+}
+
+at::Tensor input_of(int rank, int step) {
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + 10 * rank + step));
+  return at::randn({5, 8}, gen) * (1.0 + rank);
+}
+
+// The mean over `world` ranks of the local gradients of a copy of `params` (rank r's input for
+// each listed step, summed over the steps: what DDP gives after those backward passes).
+std::vector<at::Tensor> mean_grads(const std::vector<at::Tensor>& params, int world,
+                                   const std::vector<int>& steps) {
+  std::vector<at::Tensor> mean;
+  for (int r = 0; r < world; ++r) {
+    auto net = make_net(0);
+    {
+      at::NoGradGuard no_grad;
+      auto ps = net->parameters();
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(params[i]);
+    }
+    for (int s : steps) net->forward(input_of(r, s)).pow(2).sum().backward();
+    auto ps = net->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (mean.size() <= i) mean.push_back(at::zeros_like(ps[i]));
+      mean[i] += ps[i].grad() / world;
+    }
+  }
+  return mean;
+}
+
+void expect_close(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
+                  double rtol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << what << ": no gradient for parameter " << i;
+    const double scale = want[i].abs().max().item<double>();
+    const double err = (got[i] - want[i]).abs().max().item<double>();
+    EXPECT_LE(err, rtol * scale + 1e-12) << what << ": parameter " << i;
+  }
+}
+
+std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> g;
+  for (const auto& p : params) g.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return g;
+}
+
+struct Variant {
+  std::string name;
+  std::function<DDPOptions()> options;
+  std::function<void(DistributedDataParallel&, const ProcessGroupPtr&)> hook;
+  double rtol;
+};
+
+std::vector<Variant> variants() {
+  auto none = [](DistributedDataParallel&, const ProcessGroupPtr&) {};
+  return {
+      {"default", [] { return DDPOptions(); }, none, 1e-6},
+      {"small buckets", [] { return DDPOptions().bucket_cap_mb(0.002); }, none, 1e-6},
+      {"gradient_as_bucket_view",
+       [] { return DDPOptions().bucket_cap_mb(0.002).gradient_as_bucket_view(true); }, none, 1e-6},
+      {"static_graph", [] { return DDPOptions().static_graph(true); }, none, 1e-6},
+      {"ddpx allreduce_hook", [] { return DDPOptions().bucket_cap_mb(0.002); },
+       [](DistributedDataParallel& d, const ProcessGroupPtr& pg) {
+         d.register_comm_hook(ddpx::hooks::allreduce_hook(pg));
+       },
+       1e-6},
+      {"builtin ALLREDUCE", [] { return DDPOptions(); },
+       [](DistributedDataParallel& d, const ProcessGroupPtr&) {
+         d.register_builtin_comm_hook(c10d::BuiltinCommHookType::ALLREDUCE);
+       },
+       1e-6},
+      {"ddpx fp16_compress_hook", [] { return DDPOptions().bucket_cap_mb(0.002); },
+       [](DistributedDataParallel& d, const ProcessGroupPtr& pg) {
+         d.register_comm_hook(ddpx::hooks::fp16_compress_hook(pg));
+       },
+       2e-3},
+  };
+}
+
+TEST(DistributedDataParallel, GradientsAreTheMeanOfTheRanksLocalGradients) {
+  for (int world : {2, 3}) {
+    for (const auto& v : variants()) {
+      ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+        auto net = make_net(rank);  // every rank starts elsewhere: rank 0's values win
+        DistributedDataParallel ddp(net, pg, v.options());
+        v.hook(ddp, pg);
+        const auto rank0 = make_net(0)->parameters();
+        for (size_t i = 0; i < rank0.size(); ++i) {
+          ASSERT_TRUE(at::equal(net->parameters()[i], rank0[i])) << "initial broadcast, " << i;
+        }
+        for (int step = 0; step < 3; ++step) {  // the Reducer rebuilds its buckets after step 0
+          for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+          const auto before = net->parameters();
+          std::vector<at::Tensor> snapshot;
+          for (const auto& p : before) snapshot.push_back(p.detach().clone());
+          ddp.forward(input_of(rank, step)).pow(2).sum().backward();
+          expect_close(
+              grads_of(net->parameters()), mean_grads(snapshot, world, {step}), v.rtol,
+              v.name + ", world " + std::to_string(world) + ", step " + std::to_string(step));
+          at::NoGradGuard no_grad;
+          for (auto& p : net->parameters()) p.sub_(p.grad() * 0.1);  // SGD, the same everywhere
+        }
+      });
+    }
+  }
+}
+
+TEST(DistributedDataParallel, NoSyncAccumulatesLocally) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto net = make_net(rank);
+    DistributedDataParallel ddp(net, pg, DDPOptions().bucket_cap_mb(0.002));
+    std::vector<at::Tensor> start;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+    {
+      auto guard = ddp.no_sync();
+      ddp.forward(input_of(rank, 0)).pow(2).sum().backward();
+      // Local only: this rank's gradient, not the mean.
+      expect_close(
+          grads_of(net->parameters()),
+          [&] {
+            auto own = make_net(0);
+            own->forward(input_of(rank, 0)).pow(2).sum().backward();
+            return grads_of(own->parameters());
+          }(),
+          1e-6, "inside no_sync");
+    }
+    ddp.forward(input_of(rank, 1)).pow(2).sum().backward();
+    expect_close(grads_of(net->parameters()), mean_grads(start, 2, {0, 1}), 1e-6, "after no_sync");
+  });
+}
+
+// A module whose forward skips a branch: the unused branch's parameters get no gradient, and
+// the Reducer must not wait for them (find_unused_parameters).
+struct Branchy : torch::nn::Module {
+  Branchy() {
+    used = register_module("used", torch::nn::Linear(8, 3));
+    unused = register_module("unused", torch::nn::Linear(8, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return used->forward(x); }
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+};
+
+TEST(DistributedDataParallel, FindUnusedParametersAndASharedPtrModule) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto net = std::make_shared<Branchy>();
+    {
+      at::Generator gen = at::detail::createCPUGenerator(7);
+      at::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), gen));
+    }
+    DistributedDataParallel ddp(net, pg, DDPOptions().find_unused_parameters(true));
+    EXPECT_THROW(ddp.forward(input_of(rank, 0)), c10::ValueError);  // a shared_ptr: no forward
+    for (int step = 0; step < 2; ++step) {
+      net->zero_grad();
+      ddp.prepare_forward();
+      at::Tensor out = net->forward(input_of(rank, step));
+      out = ddp.prepare_backward({out}).front();
+      out.pow(2).sum().backward();
+      // The used weight's gradient is the mean of the ranks' local ones.
+      at::Tensor want = at::zeros_like(net->used->weight);
+      for (int r = 0; r < 2; ++r) {
+        auto w = net->used->weight.detach().clone().requires_grad_(true);
+        auto b = net->used->bias.detach().clone();
+        (at::linear(input_of(r, step), w, b)).pow(2).sum().backward();
+        want += w.grad() / 2;
+      }
+      EXPECT_TRUE(at::allclose(net->used->weight.grad(), want, 1e-6, 1e-7)) << step;
+      const at::Tensor& g = net->unused->weight.grad();
+      EXPECT_TRUE(!g.defined() || g.abs().max().item<double>() == 0.0) << step;
+    }
+  });
+}
+
+TEST(DistributedDataParallel, BadInput) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    // No trainable parameter.
+    torch::nn::Sequential frozen(torch::nn::Linear(2, 2));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    EXPECT_THROW(DistributedDataParallel(frozen, pg), c10::ValueError);
+    EXPECT_THROW(DistributedDataParallel(make_net(0), ProcessGroupPtr()), c10::ValueError);
+    EXPECT_THROW(DistributedDataParallel(make_net(0), pg, DDPOptions().bucket_cap_mb(0)),
+                 c10::ValueError);
+    // A second hook.
+    DistributedDataParallel ddp(make_net(0), pg);
+    ddp.register_comm_hook(ddpx::hooks::allreduce_hook(pg));
+    EXPECT_THROW(ddp.register_comm_hook(ddpx::hooks::allreduce_hook(pg)), c10::Error);
+    // Parameters that differ across ranks: an error on every rank.
+    torch::nn::Sequential other(torch::nn::Linear(8, rank == 0 ? 4 : 5));
+    EXPECT_THROW(DistributedDataParallel(other, pg), c10::ValueError);
+  });
+}
+
+TEST(ProcessGroupFromEnv, ArgumentsAreChecked) {
+  using ddpx::init_process_group;
+  EXPECT_THROW(init_process_group("gloo", 2, 2, "127.0.0.1", 29500), c10::ValueError);
+  EXPECT_THROW(init_process_group("gloo", 0, 0, "127.0.0.1", 29500), c10::ValueError);
+  EXPECT_THROW(init_process_group("gloo", 0, 1, "127.0.0.1", 70000), c10::ValueError);
+  EXPECT_THROW(init_process_group("mpi", 0, 1, "127.0.0.1", 29500), c10::ValueError);
+  EXPECT_THROW(init_process_group("gloo", 0, 1, "", 29500), c10::ValueError);
+  // From the environment: missing and malformed variables are named.
+  unsetenv("RANK");
+  setenv("WORLD_SIZE", "2", 1);
+  try {
+    ddpx::init_process_group_from_env("gloo");
+    ADD_FAILURE() << "no error without RANK";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK is not set"), std::string::npos) << e.what();
+  }
+  setenv("RANK", "one", 1);
+  try {
+    ddpx::init_process_group_from_env("gloo");
+    ADD_FAILURE() << "no error for RANK=one";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK='one' is not an integer"), std::string::npos)
+        << e.what();
+  }
+  // A world of one through a real TCPStore on a free port.
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "1", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "0", 1);
+  EXPECT_THROW(ddpx::init_process_group_from_env("gloo"), c10::ValueError);  // port 0
+}
+
+// Two ranks (threads) through a real TCPStore on a free port: the group works, and a DDP over it
+// averages.
+TEST(ProcessGroupFromEnv, TwoRanksOverATcpStore) {
+  ddpx::compat::disable_flight_recorder_for_thread_ranks();
+  int port = 0;
+  {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+    close(fd);
+  }
+  std::vector<at::Tensor> sums(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto pg = ddpx::init_process_group("gloo", rank, 2, "127.0.0.1", port,
+                                           std::chrono::milliseconds(30000));
+        std::vector<at::Tensor> t{at::full({3}, static_cast<double>(rank + 1))};
+        pg->allreduce(t)->wait();
+        sums[rank] = t[0];
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << ": " << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& s : sums) {
+    ASSERT_TRUE(s.defined());
+    EXPECT_TRUE(at::equal(s, at::full({3}, 3.0)));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  // Rank threads are the parallelism here; intra-op threads would only oversubscribe.
+  at::set_num_threads(1);
+  return RUN_ALL_TESTS();
+}
