@@ -22,11 +22,14 @@ int blocks_for(int64_t n) {
   return static_cast<int>(b < kMaxBlocks ? b : kMaxBlocks);
 }
 
+// One tensor's elements first, first + stride, ... below n: the loop every kernel here runs
+// (the single-tensor kernels over the whole grid, the multi-tensor ones over a tensor's blocks).
 template <typename T>
-__global__ void sgd_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ b, int64_t n,
-                           detail::SgdCoeffs<T> c) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__device__ __forceinline__ void sgd_span(T* __restrict__ p, const T* __restrict__ g,
+                                         T* __restrict__ b, int64_t n,
+                                         const detail::SgdCoeffs<T>& c, int64_t first,
+                                         int64_t stride) {
+  for (int64_t i = first; i < n; i += stride) {
     T pi = p[i];
     T bi = c.has_momentum && !c.init_buffer ? b[i] : T(0);
     detail::sgd_element(pi, g[i], bi, c);
@@ -36,11 +39,12 @@ __global__ void sgd_kernel(T* __restrict__ p, const T* __restrict__ g, T* __rest
 }
 
 template <typename T>
-__global__ void adam_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
-                            T* __restrict__ v, T* __restrict__ vmax, int64_t n,
-                            detail::AdamCoeffs<T> c) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__device__ __forceinline__ void adam_span(T* __restrict__ p, const T* __restrict__ g,
+                                          T* __restrict__ m, T* __restrict__ v,
+                                          T* __restrict__ vmax, int64_t n,
+                                          const detail::AdamCoeffs<T>& c, int64_t first,
+                                          int64_t stride) {
+  for (int64_t i = first; i < n; i += stride) {
     T pi = p[i];
     T mi = m[i];
     T vi = v[i];
@@ -51,6 +55,21 @@ __global__ void adam_kernel(T* __restrict__ p, const T* __restrict__ g, T* __res
     v[i] = vi;
     if (c.amsgrad != T(0)) vmax[i] = vmaxi;
   }
+}
+
+template <typename T>
+__global__ void sgd_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ b, int64_t n,
+                           detail::SgdCoeffs<T> c) {
+  sgd_span(p, g, b, n, c, blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+           static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+
+template <typename T>
+__global__ void adam_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
+                            T* __restrict__ v, T* __restrict__ vmax, int64_t n,
+                            detail::AdamCoeffs<T> c) {
+  adam_span(p, g, m, v, vmax, n, c, blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+            static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 // A multi-tensor launch's parameter block: up to kMultiTensors tensors, their coefficients and
@@ -88,18 +107,9 @@ __global__ void sgd_multi_kernel(SgdMulti<T> a) {
   const int k = tensor_of_block(a.block_start, a.count, blockIdx.x);
   const int64_t first = a.block_start[k];
   const int64_t blocks = a.block_start[k + 1] - first;
-  T* __restrict__ p = a.p[k];
-  const T* __restrict__ g = a.g[k];
-  T* __restrict__ b = a.b[k];
-  const detail::SgdCoeffs<T> c = a.c[k];
-  for (int64_t i = (blockIdx.x - first) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < a.n[k]; i += blocks * blockDim.x) {
-    T pi = p[i];
-    T bi = c.has_momentum && !c.init_buffer ? b[i] : T(0);
-    detail::sgd_element(pi, g[i], bi, c);
-    p[i] = pi;
-    if (c.has_momentum) b[i] = bi;
-  }
+  sgd_span(a.p[k], a.g[k], a.b[k], a.n[k], a.c[k],
+           (blockIdx.x - first) * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+           blocks * blockDim.x);
 }
 
 template <typename T>
@@ -107,24 +117,9 @@ __global__ void adam_multi_kernel(AdamMulti<T> a) {
   const int k = tensor_of_block(a.block_start, a.count, blockIdx.x);
   const int64_t first = a.block_start[k];
   const int64_t blocks = a.block_start[k + 1] - first;
-  T* __restrict__ p = a.p[k];
-  const T* __restrict__ g = a.g[k];
-  T* __restrict__ m = a.m[k];
-  T* __restrict__ v = a.v[k];
-  T* __restrict__ vmax = a.vmax[k];
-  const detail::AdamCoeffs<T> c = a.c[k];
-  for (int64_t i = (blockIdx.x - first) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < a.n[k]; i += blocks * blockDim.x) {
-    T pi = p[i];
-    T mi = m[i];
-    T vi = v[i];
-    T vmaxi = c.amsgrad != T(0) ? vmax[i] : T(0);
-    detail::adam_element(pi, g[i], mi, vi, vmaxi, c);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if (c.amsgrad != T(0)) vmax[i] = vmaxi;
-  }
+  adam_span(a.p[k], a.g[k], a.m[k], a.v[k], a.vmax[k], a.n[k], a.c[k],
+            (blockIdx.x - first) * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+            blocks * blockDim.x);
 }
 
 template <typename T>
