@@ -140,7 +140,8 @@ void DistributedDataParallel::init() {
 }
 
 // Every rank holds the same parameters (count, shapes, strides, dtypes, device types): one
-// digest, its minimum and maximum over the ranks compared, so a mismatch is a ValueError on every
+// digest, its minimum and maximum over the ranks compared (as comm::run_bucketed's agreement
+// check does, which does not cover strides), so a mismatch is a ValueError on every
 // rank (torch's verify_params_across_processes raises on the ranks that differ from rank 0 only,
 // and rank 0 then waits in the next collective).
 void DistributedDataParallel::check_same_parameters() {
@@ -153,15 +154,13 @@ void DistributedDataParallel::check_same_parameters() {
     h = fnv(h, static_cast<uint64_t>(p.scalar_type()));
     h = fnv(h, static_cast<uint64_t>(p.device().type()));
   }
+  // max(h) == -max(-h) == min(h) exactly when every rank has the same digest: one all-reduce.
   const auto digest = static_cast<int64_t>(h >> 1);  // non-negative
-  std::vector<at::Tensor> lo{at::full({1}, digest, at::kLong)};
-  std::vector<at::Tensor> hi{at::full({1}, digest, at::kLong)};
-  c10d::AllreduceOptions min_opts, max_opts;
-  min_opts.reduceOp = c10d::ReduceOp::MIN;
-  max_opts.reduceOp = c10d::ReduceOp::MAX;
-  pg_->allreduce(lo, min_opts)->wait();
-  pg_->allreduce(hi, max_opts)->wait();
-  if (lo[0].item<int64_t>() == hi[0].item<int64_t>()) return;
+  std::vector<at::Tensor> both{at::tensor({digest, -digest}, at::TensorOptions(at::kLong))};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  pg_->allreduce(both, opts)->wait();
+  if (both[0][0].item<int64_t>() == -both[0][1].item<int64_t>()) return;
   std::ostringstream mine;
   for (size_t i = 0; i < params_.size() && i < 8; ++i) {
     mine << (i ? ", " : "") << params_[i].sizes() << " " << params_[i].scalar_type();

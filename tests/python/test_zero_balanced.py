@@ -135,12 +135,10 @@ def facts(zero, model):
     counts = [0] * zero.world_size
     dist.all_gather_object(counts, sum(u.numel() for u in local), group=zero.process_group)
     params = list(model.parameters())
-    storages = {p.data_ptr(): p for p in params}
     in_params = all(any(p.data_ptr() <= u.data_ptr() < p.data_ptr() + p.numel() * p.element_size()
                         for p in params) for u in local)
     split = any(len(zero._owner_ranges(p)) > 1 for p in params)
-    return {"counts": counts, "split": split, "views": in_params, "n_local": len(local),
-            "storages": len(storages)}
+    return {"counts": counts, "split": split, "views": in_params}
 
 
 def ddp_vs_unsharded(rank, world_size, opt, bucket, groups):
