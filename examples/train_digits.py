@@ -982,11 +982,43 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--only", default="", help="comma-separated substrings: run matching "
                    "configurations only (the first configuration always runs: the baseline)")
+    p.add_argument("--save-final-weights", default="", metavar="FILE",
+                   help="rank 0 saves every row's final weights (flattened, float32) there, "
+                   "keyed '<hook> (<registration>)': the C++ job's --compare file")
+    p.add_argument("--export-cpp-data", default="", metavar="FILE",
+                   help="write the data set, the initial weights and these settings for the C++ "
+                   "job (examples/cpp/train_digits.cpp) to FILE and exit (no training, no "
+                   "process group)")
     return p.parse_args(argv)
+
+
+def export_cpp_data(args) -> None:
+    """What examples/cpp/train_digits.cpp trains on, in one torch.save file it reads with
+    torch::jit::pickle_load: the same split and standardisation, the initial weights drawn here
+    (torch.manual_seed(seed), make_mlp), and this job's settings, so that both jobs train the
+    same thing."""
+    x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
+    torch.manual_seed(args.seed)
+    init_state = make_mlp(args.hidden, args.depth).state_dict()
+    out: Dict[str, Any] = dict(
+        x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te,
+        param_names=list(init_state.keys()),
+        epochs=args.epochs, batch_size=args.batch_size, lr=float(args.lr), seed=args.seed,
+        warmup_steps=args.warmup_steps, powersgd_start=args.powersgd_start,
+        localsgd_start=args.localsgd_start, localsgd_period=args.localsgd_period,
+        localsgd_subgroup=args.localsgd_subgroup)
+    out.update({f"param.{k}": v.clone().contiguous() for k, v in init_state.items()})
+    os.makedirs(os.path.dirname(os.path.abspath(args.export_cpp_data)), exist_ok=True)
+    torch.save(out, args.export_cpp_data)
+    print(f"wrote {args.export_cpp_data}: {len(x_tr)} train / {len(x_te)} test images, "
+          f"{sum(v.numel() for v in init_state.values()):,} parameters")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.export_cpp_data:
+        export_cpp_data(args)
+        return 0
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -1161,6 +1193,11 @@ def main(argv=None) -> int:
         md = render_markdown(rows, meta)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(md)
+        if args.save_final_weights:
+            os.makedirs(os.path.dirname(os.path.abspath(args.save_final_weights)),
+                        exist_ok=True)
+            torch.save({f"{r['hook']} ({r['registration']})": r["final_weights_rank0"]
+                        for r in rows if r["status"] == "ok"}, args.save_final_weights)
         for r in rows:
             r.pop("final_weights_rank0", None)
         with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -2,12 +2,15 @@
 #include <ddpx/common/compat.h>
 #include <ddpx/ddp/process_group_env.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unordered_map>
 
 namespace ddpx {
 namespace {
@@ -31,6 +34,30 @@ int64_t env_int(const char* name) {
   TORCH_CHECK_VALUE(errno == 0 && end != text.c_str() && *end == '\0',
                     "init_process_group_from_env: ", name, "='", text, "' is not an integer");
   return value;
+}
+
+// What new_group needs of a world group made here: its store and how many groups it has named.
+struct WorldEntry {
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<c10d::Store> store;
+  int64_t groups_made = 0;
+};
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::unordered_map<const c10d::ProcessGroup*, WorldEntry>& registry() {
+  static std::unordered_map<const c10d::ProcessGroup*, WorldEntry> worlds;
+  return worlds;
+}
+
+ProcessGroupPtr make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                          std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  return compat::make_gloo_group(store, rank, size, options);
 }
 
 }  // namespace
@@ -57,9 +84,63 @@ ProcessGroupPtr init_process_group(const std::string& backend, int rank, int wor
   auto tcp = c10::make_intrusive<c10d::TCPStore>(master_addr, opts);
   // A namespace of its own in a store torchrun may share with other users.
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>("ddpx_pg", tcp);
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  return compat::make_gloo_group(store, rank, world_size, options);
+  ProcessGroupPtr pg = make_gloo(store, rank, world_size, timeout);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& worlds = registry();
+  for (auto it = worlds.begin(); it != worlds.end();) {  // forget groups that are gone
+    it = it->second.group.expired() ? worlds.erase(it) : std::next(it);
+  }
+  worlds.erase(pg.get());
+  worlds.emplace(pg.get(), WorldEntry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), tcp, 0});
+  return pg;
+}
+
+ProcessGroupPtr new_group(const ProcessGroupPtr& world, std::vector<int> ranks,
+                          std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(world, "new_group: the world group is null");
+  const int size = static_cast<int>(world->getSize());
+  TORCH_CHECK_VALUE(!ranks.empty(), "new_group: the list of ranks is empty");
+  std::sort(ranks.begin(), ranks.end());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK_VALUE(ranks[i] >= 0 && ranks[i] < size, "new_group: rank ", ranks[i],
+                      " is outside the world group's [0, ", size, ")");
+    TORCH_CHECK_VALUE(i == 0 || ranks[i] != ranks[i - 1], "new_group: rank ", ranks[i],
+                      " is listed twice");
+  }
+  TORCH_CHECK_VALUE(timeout.count() > 0, "new_group: the timeout must be positive");
+  c10::intrusive_ptr<c10d::Store> store;
+  int64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(world.get());
+    TORCH_CHECK_VALUE(it != registry().end() && it->second.group.lock() == world,
+                      "new_group: the world group was not made by ddpx::init_process_group or "
+                      "init_process_group_from_env (its store is needed to build the new group)");
+    store = it->second.store;
+    id = it->second.groups_made++;
+  }
+  const auto me = std::find(ranks.begin(), ranks.end(), static_cast<int>(world->getRank()));
+  if (me == ranks.end()) return {};
+  auto group_store =
+      c10::make_intrusive<c10d::PrefixStore>("ddpx_group_" + std::to_string(id), store);
+  return make_gloo(group_store, static_cast<int>(me - ranks.begin()),
+                   static_cast<int>(ranks.size()), timeout);
+}
+
+ProcessGroupPtr new_subgroups(const ProcessGroupPtr& world, int group_size,
+                              std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(world, "new_subgroups: the world group is null");
+  const int size = static_cast<int>(world->getSize());
+  TORCH_CHECK_VALUE(group_size > 0 && size % group_size == 0, "new_subgroups: group_size ",
+                    group_size, " must be positive and divide the world size ", size);
+  ProcessGroupPtr mine;
+  for (int first = 0; first < size; first += group_size) {
+    std::vector<int> ranks(static_cast<size_t>(group_size));
+    for (int i = 0; i < group_size; ++i) ranks[static_cast<size_t>(i)] = first + i;
+    auto group = new_group(world, ranks, timeout);
+    if (group) mine = group;
+  }
+  return mine;
 }
 
 ProcessGroupPtr init_process_group_from_env(const std::string& backend,

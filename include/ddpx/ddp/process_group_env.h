@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace ddpx {
 
@@ -27,5 +28,22 @@ ProcessGroupPtr init_process_group(const std::string& backend, int rank, int wor
                                    const std::string& master_addr, int master_port,
                                    std::chrono::milliseconds timeout = kDefaultProcessGroupTimeout,
                                    bool use_agent_store = false);
+
+// Python's dist.new_group(ranks) for a group made by init_process_group[_from_env]: a Gloo group
+// of the listed ranks of `world` (each rank's place in it is its position in the sorted list),
+// over the world's store under a name of its own. Every rank of `world` must call it, with the
+// same ranks, in the same order as its other new_group calls (the n-th call names the n-th
+// group); members return once all members have joined, non-members get a null handle at once.
+// c10::ValueError for an empty, repeated or out-of-range rank, or a `world` group not made by
+// init_process_group.
+ProcessGroupPtr new_group(const ProcessGroupPtr& world, std::vector<int> ranks,
+                          std::chrono::milliseconds timeout = kDefaultProcessGroupTimeout);
+
+// Python's dist.new_subgroups(group_size): the world cut into groups of `group_size`
+// consecutive ranks (the "intra-node" groups of post-local SGD and the hierarchical averager);
+// returns this rank's. Every rank must call it; group_size must divide the world size
+// (c10::ValueError otherwise).
+ProcessGroupPtr new_subgroups(const ProcessGroupPtr& world, int group_size,
+                              std::chrono::milliseconds timeout = kDefaultProcessGroupTimeout);
 
 }  // namespace ddpx
