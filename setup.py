@@ -1,5 +1,7 @@
 """Builds the ddpx Python package: the pure-Python package in python/ddpx plus the native module
-ddpx._C, compiled by CMake against the torch of the interpreter running this script.
+ddpx._C, compiled by CMake against the torch of the interpreter running this script, and the C++
+library, headers and CMake package for C++ programs (ddpx/lib, ddpx/include, ddpx/lib/cmake/ddpx;
+``ddpx.cmake_prefix_path`` names the folder).
 
     python -m venv --system-site-packages .venv && .venv/bin/pip install --no-build-isolation .
 
@@ -59,6 +61,15 @@ class CMakeBuild(build_ext):
         # The torch this module was built against, checked by ddpx/_loader.py at import.
         shutil.copyfile(os.path.join(pkg_dir, "_build_info.py"),
                         os.path.join(os.path.dirname(target), "_build_info.py"))
+        # The C++ library, headers and CMake package inside the Python package (lib/,
+        # include/, lib/cmake/ddpx), as torch ships its own: ddpx.cmake_prefix_path points
+        # there, so a C++ program can find_package(ddpx) from a pip install. Its targets were
+        # built above as _C's dependencies.
+        package = os.path.dirname(target)
+        for sub in ("lib", "include"):
+            shutil.rmtree(os.path.join(package, sub), ignore_errors=True)
+        subprocess.check_call(["cmake", "--install", build_dir, "--prefix", package], env=env,
+                              stdout=subprocess.DEVNULL)
 
 
 setup(

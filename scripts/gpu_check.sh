@@ -15,7 +15,8 @@
 # and the script goes on (a step that needs the build is skipped when the build failed).
 # Logs: $OUT/NN_<step>.log, JSON figures: $OUT/*.json, summary: $OUT/summary.txt (rewritten
 # after every step, so a run cut short still says what it did). Order: preflight (nvcc, Python.h,
-# ninja, GoogleTest), a build of only the module and the CUDA gtests, the CUDA tests, then the
+# ninja, GoogleTest), a build of only the module, the CUDA gtests and the C++ DDP job, the CUDA
+# tests and the C++ DDP on NCCL (ddp_torchrun_job nccl), then the
 # benchmarks, the least important last. Dry-run on a CPU machine with pip torch:
 #   PYTHON=.venv/bin/python DDPX_GPU_JOBS=2 OUT=/tmp/gpuout bash scripts/gpu_check.sh
 # (everything up to the benchmarks passes; each benchmark stops at once without a GPU).
@@ -156,7 +157,7 @@ CONFIGURE="cmake -S . -B '$BUILD' -G Ninja -DCMAKE_PREFIX_PATH='$TORCH_PREFIX' \
   -DDDPX_CUDA_ARCHS=${DDPX_GPU_ARCHS:-90} -DDDPX_CUDA=$CUDA_OPT -DPython_EXECUTABLE='$PY' \
   -DDDPX_BUILD_BENCHMARKS=OFF -DDDPX_BUILD_TESTS=$HAVE_GTEST"
 TARGETS="_C"
-[ "$HAVE_GTEST" = ON ] && TARGETS="_C test_cuda_kernels test_orthogonalize"
+[ "$HAVE_GTEST" = ON ] && TARGETS="_C test_cuda_kernels test_orthogonalize ddp_torchrun_job"
 run_step configure 60 "$CONFIGURE"
 if [ -f "$BUILD/build.ninja" ]; then
   # -k 0: keep building the other targets past a failing one, so that a broken test file does
@@ -173,8 +174,13 @@ if [ "$HAVE_GTEST" = ON ] && [ -f "$BUILD/CTestTestfile.cmake" ]; then
   # checks (CI runs those).
   run_step ctest_cuda 60 "ctest --test-dir '$BUILD' --output-on-failure --timeout 55 \
     -R 'test_cuda_kernels|test_orthogonalize|cuda_architectures'"
+  # The C++ DistributedDataParallel on NCCL (init_process_group_from_env("nccl"), GPU
+  # LOCAL_RANK): one process, 4 steps, replicas checked (its first run on a GPU).
+  run_step ddp_cpp_nccl 40 "'$PY' -m torch.distributed.run --standalone --nproc_per_node=1 \
+    --no-python '$BUILD/tests/cpp/ddp_torchrun_job' nccl"
 else
   skip_step ctest_cuda "GoogleTest missing or not configured"
+  skip_step ddp_cpp_nccl "GoogleTest missing or not configured"
 fi
 if [ "$BUILD_OK" = 1 ]; then
   run_step pytest_cuda 150 "PYTHONPATH='$BUILD/python' '$PY' -m pytest tests/python -q -x \

@@ -3,8 +3,12 @@
 # sudo, skipped when present; pip torch 2.11 and the job's Python packages into .venv, from a
 # wheelhouse shared with scripts/test.sh), pip-installs ddpx into the venv as a user would
 # (build tree build-pip/), then trains an MLP on the `digits` data set with 2 DDP processes
-# (torchrun, Gloo on CPU), once per communication hook, and prints the results table. Outputs:
-# out/results.md, out/results.json, out/loss_curves.png.
+# (torchrun, Gloo on CPU), once per communication hook, and prints the results table. Then the
+# same training as a C++ program: examples/cpp/train_digits.cpp, built with CMake against the
+# pip-installed ddpx (find_package(ddpx) through ddpx.cmake_prefix_path, build tree
+# build-example/), launched by torchrun --no-python on the data and initial weights the Python job
+# exports, each row checked bit for bit against the Python row it repeats. Outputs:
+# out/results.md, out/results.json, out/loss_curves.png, out/results_cpp.md.
 #
 #   ./scripts/main.sh                       pip torch 2.x (the primary target)
 #   DDPX_TORCH=debian ./scripts/main.sh     Debian's torch 1.13 (.venv-debian, build-pip-debian/)
@@ -16,20 +20,41 @@ source scripts/common.sh
 
 OUT_DIR=${OUT_DIR:-out}
 
+torchrun_args() {
+  if [ "$DDPX_TORCH" = debian ]; then
+    # Debian's torchrun (torch 1.13) crashes on Python 3.11 at launch without these (a torch
+    # bug fixed in 2.x). Each rank's stdout is then tee'd with a "[default<rank>]:" prefix.
+    echo --redirects 1 --tee 1
+  fi
+}
+
 run_job() {
   mkdir -p "$OUT_DIR"
   rm -f "$OUT_DIR/results.md"
   # The workers import the installed ddpx: the repository root holds python/ddpx, not ddpx/,
   # so neither the working directory nor examples/ shadows it (the job logs where it came from).
   # PYTHONPATH is dropped so that a build tree on it (e.g. build/python) cannot shadow it either.
-  local launcher_args=()
-  if [ "$DDPX_TORCH" = debian ]; then
-    # Debian's torchrun (torch 1.13) crashes on Python 3.11 at launch without these (a torch
-    # bug fixed in 2.x). Each rank's stdout is then tee'd with a "[default<rank>]:" prefix.
-    launcher_args=(--redirects 1 --tee 1)
-  fi
+  # shellcheck disable=SC2046
   env -u PYTHONPATH "$DDPX_VENV/bin/python" -m torch.distributed.run --standalone \
-    --nproc_per_node=2 "${launcher_args[@]}" examples/train_digits.py --out "$OUT_DIR/" "$@"
+    --nproc_per_node=2 $(torchrun_args) examples/train_digits.py --out "$OUT_DIR/" \
+    --save-final-weights "$OUT_DIR/final_weights.pt" "$@"
+}
+
+# The C++ job: built against the installed package as a C++ user builds it, on the Python job's
+# exported data and settings (the same extra arguments), compared with its final weights.
+run_cpp_job() {
+  local prefix build="build-example${DDPX_TORCH:+-$DDPX_TORCH}" no_python=--no-python
+  prefix=$(env -u PYTHONPATH "$DDPX_PY" -c "import ddpx; print(ddpx.cmake_prefix_path)")
+  cmake -S examples/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$prefix" > "$OUT_DIR/cpp_build.log"
+  cmake --build "$build" --target train_digits -j "$(nproc)" >> "$OUT_DIR/cpp_build.log"
+  env -u PYTHONPATH "$DDPX_PY" examples/train_digits.py --export-cpp-data \
+    "$OUT_DIR/digits_cpp.pt" "$@"
+  [ "$DDPX_TORCH" = debian ] && no_python=--no_python
+  # shellcheck disable=SC2046
+  "$DDPX_PY" -m torch.distributed.run --standalone --nproc_per_node=2 $(torchrun_args) \
+    "$no_python" "$build/train_digits" --data "$OUT_DIR/digits_cpp.pt" --out "$OUT_DIR/" \
+    --compare "$OUT_DIR/final_weights.pt"
 }
 
 ddpx_install_deps
@@ -49,3 +74,9 @@ echo "==================== $OUT_DIR/results.md ===================="
 cat "$OUT_DIR/results.md"
 echo "(training job: $(( $(ddpx_now) - start )) s; loss curves: $OUT_DIR/loss_curves.png," \
   "all numbers: $OUT_DIR/results.json)"
+start=$(ddpx_now)
+run_cpp_job "$@" > "$OUT_DIR/cpp_job.log" 2>&1 || { cat "$OUT_DIR/cpp_job.log"; exit 1; }
+echo
+echo "==================== $OUT_DIR/results_cpp.md (the C++ program) ===================="
+cat "$OUT_DIR/results_cpp.md"
+echo "(C++ job, build included: $(( $(ddpx_now) - start )) s; log: $OUT_DIR/cpp_job.log)"

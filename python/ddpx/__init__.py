@@ -7,6 +7,9 @@ Two ways to use a hook, with the same hook objects:
 * native: ``ddpx.register_comm_hook(ddp_model, state, ddpx.hooks.fp16_compress_hook)`` puts
   the C++ hook straight into DDP's C++ Reducer: no Python runs per bucket during backward.
 
+C++ programs: ``ddpx.cmake_prefix_path`` is the folder to put on ``CMAKE_PREFIX_PATH`` for
+``find_package(ddpx)`` against this installed ddpx (as ``torch.utils.cmake_prefix_path``).
+
 Post-local SGD: ``ddpx.hooks.post_localSGD_hook`` with ``ddpx.hooks.PostLocalSGDState``, the model
 averagers of ``ddpx.model_averaging`` and ``ddpx.optim.PostLocalSGDOptimizer``.
 """
@@ -17,6 +20,13 @@ from .model_averaging import HierarchicalModelAverager, PeriodicModelAverager
 from .optim import PostLocalSGDOptimizer
 from ._version import __version__
 
+import os as _os
+
+#: ``CMAKE_PREFIX_PATH`` for ``find_package(ddpx)``: the installed package holds the C++ library,
+#: headers and CMake package (lib/, include/, lib/cmake/ddpx/), put there by ``pip install``. A
+#: build tree on PYTHONPATH (build/python) has none: use ``cmake --install`` there.
+cmake_prefix_path = _os.path.dirname(_os.path.abspath(__file__))
+
 __all__ = [
     "hooks",
     "model_averaging",
@@ -26,4 +36,5 @@ __all__ = [
     "HierarchicalModelAverager",
     "PostLocalSGDOptimizer",
     "__version__",
+    "cmake_prefix_path",
 ]

@@ -156,11 +156,14 @@ void DistributedDataParallel::check_same_parameters() {
   }
   // max(h) == -max(-h) == min(h) exactly when every rank has the same digest: one all-reduce.
   const auto digest = static_cast<int64_t>(h >> 1);  // non-negative
-  std::vector<at::Tensor> both{at::tensor({digest, -digest}, at::TensorOptions(at::kLong))};
+  // On the parameters' device: NCCL takes CUDA tensors only (Gloo takes either).
+  std::vector<at::Tensor> both{
+      at::tensor({digest, -digest}, at::TensorOptions(at::kLong)).to(params_.front().device())};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
   pg_->allreduce(both, opts)->wait();
-  if (both[0][0].item<int64_t>() == -both[0][1].item<int64_t>()) return;
+  const at::Tensor agreed = both[0].cpu();
+  if (agreed[0].item<int64_t>() == -agreed[1].item<int64_t>()) return;
   std::ostringstream mine;
   for (size_t i = 0; i < params_.size() && i < 8; ++i) {
     mine << (i ? ", " : "") << params_[i].sizes() << " " << params_[i].scalar_type();

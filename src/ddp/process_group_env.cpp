@@ -10,6 +10,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#ifdef DDPX_WITH_NCCL
+#include "ddp/nccl_group.h"
+#endif
 #include <unordered_map>
 
 namespace ddpx {
@@ -40,6 +44,7 @@ int64_t env_int(const char* name) {
 struct WorldEntry {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
   c10::intrusive_ptr<c10d::Store> store;
+  std::string backend;
   int64_t groups_made = 0;
 };
 
@@ -53,8 +58,21 @@ std::unordered_map<const c10d::ProcessGroup*, WorldEntry>& registry() {
   return worlds;
 }
 
-ProcessGroupPtr make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                          std::chrono::milliseconds timeout) {
+// The backends this build has: "gloo", and "nccl" when built with torch's CUDA and NCCL.
+bool backend_available(const std::string& backend) {
+#ifdef DDPX_WITH_NCCL
+  if (backend == "nccl") return true;
+#endif
+  return backend == "gloo";
+}
+
+ProcessGroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                           int rank, int size, std::chrono::milliseconds timeout) {
+#ifdef DDPX_WITH_NCCL
+  if (backend == "nccl") return detail::make_nccl_group(store, rank, size, timeout);
+#endif
+  TORCH_CHECK_VALUE(backend == "gloo", "init_process_group: backend '", backend,
+                    "' is not available");
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   return compat::make_gloo_group(store, rank, size, options);
@@ -73,8 +91,14 @@ ProcessGroupPtr init_process_group(const std::string& backend, int rank, int wor
                     master_port, " is outside 1-65535");
   TORCH_CHECK_VALUE(!master_addr.empty(), "init_process_group: the master address is empty");
   TORCH_CHECK_VALUE(timeout.count() > 0, "init_process_group: the timeout must be positive");
-  TORCH_CHECK_VALUE(backend == "gloo", "init_process_group: backend '", backend,
-                    "' is not supported by ddpx's C++ process groups yet; use \"gloo\"");
+  TORCH_CHECK_VALUE(backend_available(backend), "init_process_group: backend '", backend,
+                    "' is not available in this build of ddpx: \"gloo\"",
+#ifdef DDPX_WITH_NCCL
+                    " or \"nccl\""
+#else
+                    " only (\"nccl\" needs a build against a CUDA torch with NCCL's header)"
+#endif
+  );
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(master_port);
   opts.isServer = !use_agent_store && rank == 0;
@@ -84,14 +108,15 @@ ProcessGroupPtr init_process_group(const std::string& backend, int rank, int wor
   auto tcp = c10::make_intrusive<c10d::TCPStore>(master_addr, opts);
   // A namespace of its own in a store torchrun may share with other users.
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>("ddpx_pg", tcp);
-  ProcessGroupPtr pg = make_gloo(store, rank, world_size, timeout);
+  ProcessGroupPtr pg = make_group(backend, store, rank, world_size, timeout);
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto& worlds = registry();
   for (auto it = worlds.begin(); it != worlds.end();) {  // forget groups that are gone
     it = it->second.group.expired() ? worlds.erase(it) : std::next(it);
   }
   worlds.erase(pg.get());
-  worlds.emplace(pg.get(), WorldEntry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), tcp, 0});
+  worlds.emplace(pg.get(),
+                 WorldEntry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), tcp, backend, 0});
   return pg;
 }
 
@@ -109,6 +134,7 @@ ProcessGroupPtr new_group(const ProcessGroupPtr& world, std::vector<int> ranks,
   }
   TORCH_CHECK_VALUE(timeout.count() > 0, "new_group: the timeout must be positive");
   c10::intrusive_ptr<c10d::Store> store;
+  std::string backend;
   int64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
@@ -117,14 +143,15 @@ ProcessGroupPtr new_group(const ProcessGroupPtr& world, std::vector<int> ranks,
                       "new_group: the world group was not made by ddpx::init_process_group or "
                       "init_process_group_from_env (its store is needed to build the new group)");
     store = it->second.store;
+    backend = it->second.backend;
     id = it->second.groups_made++;
   }
   const auto me = std::find(ranks.begin(), ranks.end(), static_cast<int>(world->getRank()));
   if (me == ranks.end()) return {};
   auto group_store =
       c10::make_intrusive<c10d::PrefixStore>("ddpx_group_" + std::to_string(id), store);
-  return make_gloo(group_store, static_cast<int>(me - ranks.begin()),
-                   static_cast<int>(ranks.size()), timeout);
+  return make_group(backend, group_store, static_cast<int>(me - ranks.begin()),
+                    static_cast<int>(ranks.size()), timeout);
 }
 
 ProcessGroupPtr new_subgroups(const ProcessGroupPtr& world, int group_size,
@@ -155,6 +182,18 @@ ProcessGroupPtr init_process_group_from_env(const std::string& backend,
   const int64_t port = env_int("MASTER_PORT");
   TORCH_CHECK_VALUE(port > 0 && port < 65536, "init_process_group_from_env: MASTER_PORT=", port,
                     " is outside 1-65535");
+#ifdef DDPX_WITH_NCCL
+  // NCCL: one GPU per process, the LOCAL_RANK-th (torchrun's), current before the group exists.
+  if (backend == "nccl" && std::getenv("LOCAL_RANK") != nullptr) {
+    const int64_t local_rank = env_int("LOCAL_RANK");
+    const int devices = detail::cuda_device_count();
+    TORCH_CHECK_VALUE(local_rank >= 0 && local_rank < devices,
+                      "init_process_group_from_env(\"nccl\"): LOCAL_RANK=", local_rank,
+                      " but this process sees ", devices,
+                      " CUDA device(s); NCCL needs one GPU per process");
+    detail::set_cuda_device(static_cast<int>(local_rank));
+  }
+#endif
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool use_agent_store = agent != nullptr && std::string(agent) == "True";
   return init_process_group(backend, static_cast<int>(rank), static_cast<int>(world), addr,

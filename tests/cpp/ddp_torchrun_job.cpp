@@ -4,6 +4,8 @@
 // whose initial weights differ per rank, a ddpx hook, 4 SGD steps on rank-dependent data. Exits
 // non-zero unless every rank holds rank 0's initial weights after construction and the replicas
 // stay equal after every step (checked with an all-reduced min and max of the parameters).
+// `ddp_torchrun_job nccl` runs the same on NCCL, the model on GPU LOCAL_RANK
+// (scripts/gpu_check.sh).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddpx/ddp.h>
@@ -13,7 +15,9 @@
 #include <torch/nn/modules/linear.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <string>
 
 namespace {
 
@@ -32,11 +36,18 @@ double spread(const std::vector<at::Tensor>& params, const ddpx::ProcessGroupPtr
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
     at::set_num_threads(1);
-    auto pg = ddpx::init_process_group_from_env("gloo");
+    const std::string backend = argc > 1 ? argv[1] : "gloo";
+    auto pg = ddpx::init_process_group_from_env(backend);
     const int rank = pg->getRank();
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    const at::Device device =
+        backend == "nccl"
+            ? at::Device(at::kCUDA,
+                         static_cast<c10::DeviceIndex>(local_rank ? std::atoi(local_rank) : 0))
+            : at::Device(at::kCPU);
     torch::nn::Sequential net(torch::nn::Linear(6, 16), torch::nn::ReLU(),
                               torch::nn::Linear(16, 2));
     at::Generator init = at::detail::createCPUGenerator(static_cast<uint64_t>(rank + 1));
@@ -44,6 +55,7 @@ int main() {
       at::NoGradGuard no_grad;
       for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init));
     }
+    net->to(device);
     ddpx::DistributedDataParallel ddp(net, pg, ddpx::DDPOptions().bucket_cap_mb(0.0005));
     ddp.register_comm_hook(ddpx::hooks::allreduce_hook(pg));
     if (spread(net->parameters(), pg) != 0.0) {
@@ -53,7 +65,7 @@ int main() {
     at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
     for (int step = 0; step < 4; ++step) {
       for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
-      at::Tensor x = at::randn({8, 6}, data);
+      at::Tensor x = at::randn({8, 6}, data).to(device);
       ddp.forward(x).pow(2).mean().backward();
       at::NoGradGuard no_grad;
       for (auto& p : net->parameters()) p.sub_(p.grad() * 0.1);
@@ -63,7 +75,8 @@ int main() {
         return 1;
       }
     }
-    std::printf("rank %d of %d: 4 steps, replicas equal\n", rank, static_cast<int>(pg->getSize()));
+    std::printf("rank %d of %d (%s): 4 steps, replicas equal\n", rank,
+                static_cast<int>(pg->getSize()), backend.c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ddp_torchrun_job: %s\n", e.what());

@@ -270,23 +270,29 @@ TEST(ProcessGroupFromEnv, ArgumentsAreChecked) {
   EXPECT_THROW(ddpx::init_process_group_from_env("gloo"), c10::ValueError);  // port 0
 }
 
+// A TCP port nobody listens on now (0 if none could be had).
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 // Two ranks (threads) through a real TCPStore on a free port: the group works, and a DDP over it
 // averages.
 TEST(ProcessGroupFromEnv, TwoRanksOverATcpStore) {
   ddpx::compat::disable_flight_recorder_for_thread_ranks();
-  int port = 0;
-  {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
-    close(fd);
-  }
+  const int port = free_port();
+  ASSERT_GT(port, 0);
   std::vector<at::Tensor> sums(2);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < 2; ++rank) {
@@ -307,6 +313,61 @@ TEST(ProcessGroupFromEnv, TwoRanksOverATcpStore) {
     ASSERT_TRUE(s.defined());
     EXPECT_TRUE(at::equal(s, at::full({3}, 3.0)));
   }
+}
+
+// new_group / new_subgroups on 3 ranks of a group made by init_process_group: members get a
+// group of the listed ranks (sums over them only), non-members a null handle; subgroups of one;
+// the argument checks; a group not made by init_process_group is refused.
+TEST(ProcessGroupFromEnv, NewGroupAndSubgroups) {
+  ddpx::compat::disable_flight_recorder_for_thread_ranks();
+  const int port = free_port();
+  ASSERT_GT(port, 0);
+  constexpr int kWorld = 3;
+  std::vector<at::Tensor> pair_sum(kWorld), single(kWorld);
+  std::vector<int> pair_size(kWorld, -1), pair_rank(kWorld, -1), sub_size(kWorld, -1);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto pg = ddpx::init_process_group("gloo", rank, kWorld, "127.0.0.1", port,
+                                           std::chrono::milliseconds(30000));
+        EXPECT_THROW(ddpx::new_group(pg, {}), c10::ValueError);
+        EXPECT_THROW(ddpx::new_group(pg, {0, 0}), c10::ValueError);
+        EXPECT_THROW(ddpx::new_group(pg, {0, 3}), c10::ValueError);
+        EXPECT_THROW(ddpx::new_subgroups(pg, 2), c10::ValueError);  // 2 does not divide 3
+        auto pair = ddpx::new_group(pg, {2, 0});                    // sorted: ranks 0 and 2
+        if (pair) {
+          pair_size[rank] = static_cast<int>(pair->getSize());
+          pair_rank[rank] = static_cast<int>(pair->getRank());
+          std::vector<at::Tensor> t{at::full({2}, static_cast<double>(10 * (rank + 1)))};
+          pair->allreduce(t)->wait();
+          pair_sum[rank] = t[0];
+        }
+        auto sub = ddpx::new_subgroups(pg, 1);
+        sub_size[rank] = static_cast<int>(sub->getSize());
+        std::vector<at::Tensor> t{at::full({1}, static_cast<double>(rank))};
+        sub->allreduce(t)->wait();
+        single[rank] = t[0];
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << ": " << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(pair_size, (std::vector<int>{2, -1, 2}));
+  EXPECT_EQ(pair_rank, (std::vector<int>{0, -1, 1}));
+  for (int rank : {0, 2}) {
+    ASSERT_TRUE(pair_sum[rank].defined());
+    EXPECT_TRUE(at::equal(pair_sum[rank], at::full({2}, 40.0)));  // 10 + 30: rank 1 left out
+  }
+  EXPECT_EQ(sub_size, (std::vector<int>{1, 1, 1}));
+  for (int rank = 0; rank < kWorld; ++rank) {
+    ASSERT_TRUE(single[rank].defined());
+    EXPECT_TRUE(at::equal(single[rank], at::full({1}, static_cast<double>(rank))));
+  }
+  // A group made otherwise (here by the test utilities over a HashStore) has no store to use.
+  auto groups = ddpx_test::make_gloo_world(1);
+  EXPECT_THROW(ddpx::new_group(groups.at(0), {0}), c10::ValueError);
 }
 
 }  // namespace
