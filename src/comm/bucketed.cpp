@@ -10,6 +10,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "comm/digest.h"
+
 namespace ddpx {
 namespace comm {
 
@@ -147,18 +149,6 @@ Aliasing resolve_aliasing(const std::vector<at::Tensor>& tensors) {
 
 // ---- agreement across ranks -----------------------------------------------------------------
 
-class Fnv1a {
- public:
-  void mix(int64_t v) {
-    h_ ^= static_cast<uint64_t>(v);
-    h_ *= 1099511628211ull;
-  }
-  int64_t value() const { return static_cast<int64_t>(h_ >> 2); }  // non-negative, so is -value
-
- private:
-  uint64_t h_ = 1469598103934665603ull;
-};
-
 struct Agreement {
   bool same_tensors;  // count, shapes, dtypes, device types and aliasing agree on every rank
   bool same_layouts;  // and so do strides and density
@@ -176,7 +166,7 @@ struct Agreement {
 // tensor is copied through the staging buckets in logical order.
 Agreement agree(const std::vector<at::Tensor>& tensors, const Aliasing& aliasing,
                 const ProcessGroupPtr& pg) {
-  Fnv1a what, layout;
+  Digest what, layout;
   what.mix(static_cast<int64_t>(tensors.size()));
   for (const at::Tensor& t : tensors) {
     what.mix(static_cast<int64_t>(t.scalar_type()));
@@ -190,17 +180,9 @@ Agreement agree(const std::vector<at::Tensor>& tensors, const Aliasing& aliasing
     what.mix(-1);
     for (size_t i : *list) what.mix(static_cast<int64_t>(i));
   }
-  const int64_t w = what.value(), l = layout.value();
-  at::Tensor digest =
-      at::tensor({w, -w, l, -l}, at::TensorOptions(at::kLong)).to(tensors.front().device());
-  std::vector<at::Tensor> buffers{digest};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::MAX;
-  pg->allreduce(buffers, opts)->wait();
-  const at::Tensor r = digest.cpu();
-  // max(h) == min(h) exactly when every rank has the same hash.
-  const bool same_tensors = r[0].item<int64_t>() == -r[1].item<int64_t>();
-  return {same_tensors, same_tensors && r[2].item<int64_t>() == -r[3].item<int64_t>()};
+  const std::vector<bool> same =
+      all_ranks_agree({what.value(), layout.value()}, pg, tensors.front().device());
+  return {same[0], same[0] && same[1]};
 }
 
 // The plan depends on the layouts only through `own_storage` (the same on every rank): which

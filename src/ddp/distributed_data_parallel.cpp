@@ -12,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <unordered_set>
 
+#include "comm/digest.h"
+
 namespace ddpx {
 namespace {
 
@@ -20,15 +22,6 @@ constexpr int64_t kDefaultFirstBucketBytes = 1024 * 1024;
 constexpr double kDefaultBucketCapMb = 25.0;
 // What Python DDP broadcasts the initial states and buffers in (_sync_module_states).
 constexpr int64_t kBroadcastBucketBytes = 250 * 1024 * 1024;
-
-// FNV-1a over 64-bit words: the same on every process (std::hash need not be).
-uint64_t fnv(uint64_t h, uint64_t v) {
-  for (int i = 0; i < 8; ++i) {
-    h ^= (v >> (8 * i)) & 0xff;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 // Python's _DDPSink for static_graph's first iteration: the identity on the outputs, whose
 // backward queues Reducer::delay_all_reduce to run when the whole backward pass is done (the
@@ -93,6 +86,15 @@ void DistributedDataParallel::init() {
                     "parameter that requires a gradient.");
   for (const auto& b : module_->buffers(/*recurse=*/true)) buffers_.push_back(b);
 
+  // The group must take this module's tensors (Python's DDP fails in its first collective with
+  // "No backend type associated with device type").
+  for (const at::Tensor& p : params_) {
+    TORCH_CHECK_VALUE(compat::has_backend_for(*pg_, p.device().type()),
+                      "DistributedDataParallel: the process group (", compat::backend_name(*pg_),
+                      ") has no backend for ", p.device().type(),
+                      " tensors, where this module's parameters are; use a \"gloo\" group for "
+                      "CPU parameters, \"nccl\" (or \"gloo\") for CUDA ones");
+  }
   check_same_parameters();
   // Rank 0's parameters and buffers everywhere (Python's _sync_module_states).
   {
@@ -145,25 +147,17 @@ void DistributedDataParallel::init() {
 // rank (torch's verify_params_across_processes raises on the ranks that differ from rank 0 only,
 // and rank 0 then waits in the next collective).
 void DistributedDataParallel::check_same_parameters() {
-  uint64_t h = 14695981039346656037ull;
-  h = fnv(h, params_.size());
+  comm::Digest digest;
+  digest.mix(static_cast<int64_t>(params_.size()));
   for (const at::Tensor& p : params_) {
-    h = fnv(h, static_cast<uint64_t>(p.dim()));
-    for (int64_t s : p.sizes()) h = fnv(h, static_cast<uint64_t>(s));
-    for (int64_t s : p.strides()) h = fnv(h, static_cast<uint64_t>(s));
-    h = fnv(h, static_cast<uint64_t>(p.scalar_type()));
-    h = fnv(h, static_cast<uint64_t>(p.device().type()));
+    digest.mix(p.dim());
+    for (int64_t s : p.sizes()) digest.mix(s);
+    for (int64_t s : p.strides()) digest.mix(s);
+    digest.mix(static_cast<int64_t>(p.scalar_type()));
+    digest.mix(static_cast<int64_t>(p.device().type()));
   }
-  // max(h) == -max(-h) == min(h) exactly when every rank has the same digest: one all-reduce.
-  const auto digest = static_cast<int64_t>(h >> 1);  // non-negative
   // On the parameters' device: NCCL takes CUDA tensors only (Gloo takes either).
-  std::vector<at::Tensor> both{
-      at::tensor({digest, -digest}, at::TensorOptions(at::kLong)).to(params_.front().device())};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::MAX;
-  pg_->allreduce(both, opts)->wait();
-  const at::Tensor agreed = both[0].cpu();
-  if (agreed[0].item<int64_t>() == -agreed[1].item<int64_t>()) return;
+  if (comm::all_ranks_agree({digest.value()}, pg_, params_.front().device()).front()) return;
   std::ostringstream mine;
   for (size_t i = 0; i < params_.size() && i < 8; ++i) {
     mine << (i ? ", " : "") << params_[i].sizes() << " " << params_[i].scalar_type();

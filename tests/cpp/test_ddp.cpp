@@ -238,6 +238,27 @@ TEST(DistributedDataParallel, BadInput) {
   });
 }
 
+// A process group of the wrong kind: no backend for the parameters' device (here a Gloo backend
+// registered for CUDA tensors only, holding CPU parameters): a ValueError naming both, before any
+// collective.
+TEST(DistributedDataParallel, GroupWithoutABackendForTheParameters) {
+  if (!ddpx::compat::kGroupsMapDevices) GTEST_SKIP() << "a torch 1.13 group takes any device";
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto options = c10d::ProcessGroupGloo::Options::create();
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, 0, 1, options);
+  auto cuda_only = ddpx::compat::process_group_of(
+      c10::static_intrusive_pointer_cast<ddpx::compat::Backend>(gloo), store, 0, 1,
+      {c10::DeviceType::CUDA});
+  try {
+    DistributedDataParallel ddp(make_net(0), cuda_only);
+    ADD_FAILURE() << "no error for a group without a CPU backend";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no backend for cpu tensors"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(ProcessGroupFromEnv, ArgumentsAreChecked) {
   using ddpx::init_process_group;
   EXPECT_THROW(init_process_group("gloo", 2, 2, "127.0.0.1", 29500), c10::ValueError);

@@ -103,22 +103,46 @@ using Backend = c10d::Backend;
 using Backend = c10d::ProcessGroup;
 #endif
 
-// The ProcessGroup over one CPU `backend` of `rank` in `size` ranks, as torch builds it for
-// dist.new_group(backend="gloo"): a 2.x ProcessGroup wrapping it as its Gloo backend, or in 1.13
-// the backend itself.
+// Whether a ProcessGroup maps device types to backends (2.x); a 1.13 group is its one backend.
+constexpr bool kGroupsMapDevices = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
+
+// The ProcessGroup over one Gloo `backend` of `rank` in `size` ranks, as torch builds it for
+// dist.new_group(backend="gloo"): a 2.x ProcessGroup wrapping it as its Gloo backend for the
+// `devices` (Python's: CPU and CUDA tensors), or in 1.13 the backend itself.
 inline ProcessGroupPtr process_group_of(c10::intrusive_ptr<Backend> backend,
                                         const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                        int size) {
+                                        int size,
+                                        const std::vector<c10::DeviceType>& devices = {
+                                            c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, std::move(backend));
+  for (c10::DeviceType type : devices) {
+    pg->setBackend(type, c10d::ProcessGroup::BackendType::GLOO, backend);
+  }
   return pg;
 #else
   (void)store;
   (void)rank;
   (void)size;
+  (void)devices;
   return backend;
+#endif
+}
+
+// Whether `pg` has a backend for tensors on `type` (always true in 1.13: its group is one backend,
+// which takes whatever tensors it supports).
+inline bool has_backend_for(c10d::ProcessGroup& pg, c10::DeviceType type) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  try {
+    return pg.getBackend(type) != nullptr;
+  } catch (const c10::Error&) {
+    return false;
+  }
+#else
+  (void)pg;
+  (void)type;
+  return true;
 #endif
 }
 
