@@ -1,5 +1,6 @@
 """Distributed optimizers: torch's ``torch.distributed.optim.PostLocalSGDOptimizer`` over ddpx's
-native model averagers, and ``ZeroRedundancyOptimizer`` over ddpx's ZeRO engine."""
+native model averagers, ``ZeroRedundancyOptimizer`` over ddpx's ZeRO engine, and the RPC
+``DistributedOptimizer`` with the owners' steps in C++."""
 import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional
@@ -9,6 +10,12 @@ import torch
 from ._zero import ZeroRedundancyOptimizer
 
 __all__ = ["PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"]
+
+try:  # torch.distributed.rpc is missing from some builds of torch
+    from ._dist_optim import DistributedOptimizer  # noqa: F401
+    __all__.append("DistributedOptimizer")
+except ImportError:  # pragma: no cover
+    pass
 
 
 def _torch_zero_grad_default() -> bool:

@@ -89,6 +89,7 @@ void bind_averaging(py::module& m);
 void bind_kernels(py::module& m);
 void bind_functional_optim(py::module& m);
 void bind_zero(py::module& m);
+void bind_rpc_optim(py::module& m);
 
 }  // namespace python
 }  // namespace ddpx

@@ -21,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
   ddpx::python::bind_kernels(m);
   ddpx::python::bind_functional_optim(m);
   ddpx::python::bind_zero(m);
+  ddpx::python::bind_rpc_optim(m);
 }

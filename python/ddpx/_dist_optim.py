@@ -1,0 +1,269 @@
+"""``ddpx.optim.DistributedOptimizer``: torch's RPC ``DistributedOptimizer`` with the owners'
+steps in C++.
+
+torch's class creates one local optimizer per worker that owns parameters and, at each
+``step(context_id)``, asks every such worker over RPC to step it with the gradients distributed
+autograd accumulated in that context. Unless the optimizer has a TorchScript functional form (a
+path torch 2.x deprecates), that remote step is a Python function on the owner, under its GIL:
+trainers stepping concurrently, and any Python thread of the owner, serialize on it.
+
+ddpx keeps the API and the semantics, and runs the remote step in C++: the owner's optimizer is
+a ddpx functional optimizer (``ddpx/optim/rpc_local_optimizer.h``) registered under an id, and the
+RPC the trainer sends is a TorchScript function that fetches the context's gradients
+(``dist_autograd.get_gradients``, itself a TorchScript builtin) and calls the C++ operator
+``torch.ops.ddpx.rpc_optimizer_step``: the RPC agent runs it in the JIT interpreter, without
+Python and without the GIL. Only the construction runs Python on the owners (once). This needs no
+distributed-autograd C++ header, which Debian's torch 1.13 does not ship: the gradients reach C++
+as the ``Dict(Tensor, Tensor)`` the builtin returns, on torch 1.13 and 2.x alike.
+
+Optimizer classes with a C++ form: ``torch.optim.SGD``, ``Adam``, ``AdamW``. Any other falls
+back to running torch's optimizer in Python on the owners, as torch's non-scripted path does,
+with a one-time warning naming the reason.
+"""
+import inspect
+import threading
+import warnings
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import RRef
+
+from ._loader import _C
+
+__all__ = ["DistributedOptimizer"]
+
+# torch.optim classes with a C++ form, and the constructor arguments each takes there.
+_NATIVE: Dict[type, Tuple[str, Tuple[str, ...]]] = {
+    torch.optim.SGD: ("sgd", ("lr", "momentum", "dampening", "weight_decay", "nesterov",
+                              "maximize")),
+    torch.optim.Adam: ("adam", ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
+    torch.optim.AdamW: ("adamw", ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
+}
+# Arguments that only choose torch's implementation (the result is the same): ignored when at
+# these values; another value (fused, differentiable, capturable...) means the Python path.
+_IMPLEMENTATION_ONLY = {"foreach": (None, False, True), "fused": (None, False),
+                        "differentiable": (False,), "capturable": (False,),
+                        "decoupled_weight_decay": (False,)}
+
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(key: Any, message: str) -> None:
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, stacklevel=3)
+
+
+def _native_args(optimizer_class: type, args: tuple, kwargs: dict) -> Tuple[Optional[str],
+                                                                              Dict[str, float],
+                                                                              str]:
+    """(kind, C++ arguments, "") when ``optimizer_class(params, *args, **kwargs)`` has a C++
+    form, else (None, {}, the reason). Bad arguments raise as torch's constructor would."""
+    native = _NATIVE.get(optimizer_class)
+    if native is None:
+        return None, {}, f"{optimizer_class.__qualname__} has no C++ form in ddpx"
+    kind, names = native
+    try:
+        bound = inspect.signature(optimizer_class).bind(None, *args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"DistributedOptimizer: {optimizer_class.__qualname__}: {exc}") from None
+    values = dict(bound.arguments)
+    values.pop(next(iter(inspect.signature(optimizer_class).parameters)))  # params
+    out: Dict[str, float] = {}
+    for name, value in values.items():
+        if name in _IMPLEMENTATION_ONLY:
+            if not any(value is v or value == v for v in _IMPLEMENTATION_ONLY[name]):
+                return None, {}, f"{name}={value!r} is not supported by ddpx's C++ {kind}"
+            continue
+        if name not in names:
+            return None, {}, f"argument {name!r} is not supported by ddpx's C++ {kind}"
+        if name == "betas":
+            beta1, beta2 = value
+            out["beta1"], out["beta2"] = float(beta1), float(beta2)
+        elif isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"DistributedOptimizer: {name} must be a number")
+            out[name] = float(value.item())
+        elif isinstance(value, (bool, int, float)):
+            out[name] = float(value)
+        else:
+            return None, {}, f"{name}={value!r} is not a number"
+    return kind, out, ""
+
+
+# ---- owner side -----------------------------------------------------------------------------
+class _NativeLocalOptimizer:
+    """Keeps a worker's registered C++ optimizer alive as long as the trainer's RRef to it:
+    deleting it (the DistributedOptimizer is gone) unregisters the optimizer."""
+
+    def __init__(self, kind: str, local_params_rref: List[RRef], args: Dict[str, float]):
+        self._params = [rref.local_value() for rref in local_params_rref]
+        self.id = _C._rpc_optimizer_new(kind, self._params, args)
+
+    def __del__(self):
+        unregister = getattr(_C, "_rpc_optimizer_delete", None)
+        if unregister is not None:  # at interpreter exit the module may be gone
+            unregister(self.id)
+
+
+def _new_native_local_optimizer(kind, local_params_rref, args):
+    _native_step()  # compiled here before any step for it can arrive
+    local = _NativeLocalOptimizer(kind, local_params_rref, args)
+    return rpc.RRef(local), local.id
+
+
+class _PythonLocalOptimizer:
+    """The fallback: torch's optimizer in Python on the owner. One lock per process serializes
+    steps, as the C++ path's lock (and torch's _LocalOptimizer) do."""
+
+    lock = threading.Lock()
+
+    def __init__(self, optimizer_class, local_params_rref, *args, **kwargs):
+        self._params = [rref.local_value() for rref in local_params_rref]
+        self.optim = optimizer_class(self._params, *args, **kwargs)
+
+    def step(self, autograd_ctx_id: int) -> None:
+        grads = dist_autograd.get_gradients(autograd_ctx_id)
+        with _PythonLocalOptimizer.lock:
+            for p in self._params:
+                p.grad = grads.get(p)
+            try:
+                self.optim.step()
+            finally:
+                for p in self._params:
+                    p.grad = None
+
+
+def _new_python_local_optimizer(optimizer_class, local_params_rref, *args, **kwargs):
+    return rpc.RRef(_PythonLocalOptimizer(optimizer_class, local_params_rref, *args, **kwargs))
+
+
+def _python_local_step(local_rref, autograd_ctx_id):
+    local_rref.local_value().step(autograd_ctx_id)
+
+
+_native_step_fn = None
+_native_step_lock = threading.Lock()
+
+
+def _native_step():
+    """The step every trainer sends: TorchScript, so the owner's RPC agent runs it without
+    Python. Compiled on first use, by the trainer before its first step and by each owner when
+    it builds its optimizer (before any step can arrive), under the same qualified name."""
+    global _native_step_fn
+    with _native_step_lock:
+        if _native_step_fn is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch 2.x: TorchScript is deprecated
+                _native_step_fn = torch.jit.script(_ddpx_rpc_optimizer_step)
+        return _native_step_fn
+
+
+def _ddpx_rpc_optimizer_step(optimizer_id: int, autograd_ctx_id: int) -> None:
+    grads = dist_autograd.get_gradients(autograd_ctx_id)
+    torch.ops.ddpx.rpc_optimizer_step(optimizer_id, grads)
+
+
+# ---- trainer side ---------------------------------------------------------------------------
+def _wait_all(futures, owners, what: str) -> list:
+    """Every future's value; the first failure raised (after all are done) with its worker named."""
+    results, failure = [], None
+    for fut, owner in zip(futures, owners):
+        try:
+            results.append(fut.wait())
+        except Exception as exc:  # noqa: BLE001 - re-raised below with the worker named
+            results.append(None)
+            if failure is None:
+                failure = (owner, exc)
+    if failure is not None:
+        owner, exc = failure
+        raise RuntimeError(f"DistributedOptimizer.{what} failed on worker {owner!r}: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return results
+
+
+def _owner_name(worker) -> str:
+    return getattr(worker, "name", str(worker))
+
+
+class DistributedOptimizer:
+    r"""torch's :class:`torch.distributed.optim.DistributedOptimizer`, with the owners' steps in
+    C++ (no GIL on the owners).
+
+    Takes RRefs to parameters scattered across workers; on each worker that owns some, builds
+    one local optimizer of ``optimizer_class`` over them (with ``*args, **kwargs``); and
+    :meth:`step` updates each worker's parameters on that worker with the gradients of the
+    given distributed autograd context. All owners step concurrently and :meth:`step` returns
+    when all are done; an error on one is raised with the worker named. Concurrent steps on one
+    worker (several trainers, several optimizers) are serialized there, never interleaved within
+    a parameter update; as with torch, the gradients a step applies need not be those of the
+    latest forward pass on that worker, and there is no ordering across workers.
+
+    ``torch.optim.SGD``, ``Adam`` and ``AdamW`` run as ddpx's C++ functional optimizers (every
+    argument of torch's: lr, momentum, dampening, nesterov, weight_decay, betas, eps, amsgrad,
+    maximize; ``foreach`` is ignored). Any other class, or an argument the C++ form lacks
+    (``fused``, ``differentiable``...), runs torch's optimizer in Python on the owners, with a
+    one-time warning.
+
+    Args:
+        optimizer_class: the optimizer class to build on each worker.
+        params_rref (list[RRef]): RRefs to local or remote parameters.
+        args, kwargs: the optimizer's constructor arguments.
+    """
+
+    def __init__(self, optimizer_class, params_rref, *args, **kwargs):
+        if not (isinstance(optimizer_class, type) and
+                issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError("DistributedOptimizer: optimizer_class must be a torch.optim."
+                            f"Optimizer subclass, got {optimizer_class!r}")
+        params_rref = list(params_rref)
+        per_worker: Dict[Any, List[RRef]] = defaultdict(list)
+        for i, rref in enumerate(params_rref):
+            if not isinstance(rref, rpc.PyRRef):  # rpc.remote returns the base class
+                raise TypeError(f"DistributedOptimizer: params_rref[{i}] is a "
+                                f"{type(rref).__name__}, not an RRef")
+            per_worker[rref.owner()].append(rref)
+        kind, native_args, reason = _native_args(optimizer_class, args, kwargs)
+        if kind is not None:
+            # torch's own checks and messages for the arguments (lr required in 1.13's SGD, a
+            # negative eps...), on a throwaway parameter, before any worker is involved.
+            optimizer_class([torch.zeros(1, requires_grad=True)], *args, **kwargs)
+        self.is_native = kind is not None
+        if not self.is_native:
+            _warn_once(reason, f"ddpx.optim.DistributedOptimizer: {reason}; its steps run torch's "
+                               "optimizer in Python on the owners (under their GIL)")
+        owners = list(per_worker)
+        futures = []
+        for worker in owners:
+            if self.is_native:
+                futures.append(rpc.rpc_async(worker, _new_native_local_optimizer,
+                                             args=(kind, per_worker[worker], native_args)))
+            else:
+                futures.append(rpc.rpc_async(worker, _new_python_local_optimizer,
+                                             args=(optimizer_class, per_worker[worker]) + args,
+                                             kwargs=kwargs))
+        made = _wait_all(futures, [_owner_name(w) for w in owners], "__init__")
+        # (owner name, RRef keeping the local optimizer alive, C++ id or None)
+        self._locals = [(_owner_name(w), m[0], m[1]) if self.is_native else
+                        (_owner_name(w), m, None) for w, m in zip(owners, made)]
+        self.remote_optimizers = [local for _, local, _ in self._locals]
+
+    def step(self, context_id: int) -> None:
+        """One step on every owner with the gradients of distributed autograd context
+        ``context_id``; blocks until all owners are done."""
+        dist_autograd._is_valid_context(context_id)
+        futures = []
+        for owner, local, optimizer_id in self._locals:
+            if self.is_native:
+                futures.append(rpc.rpc_async(owner, _native_step(),
+                                             args=(optimizer_id, context_id)))
+            else:
+                futures.append(rpc.rpc_async(owner, _python_local_step,
+                                             args=(local, context_id)))
+        _wait_all(futures, [owner for owner, _, _ in self._locals], "step")
