@@ -7,8 +7,10 @@
 # same training as a C++ program: examples/cpp/train_digits.cpp, built with CMake against the
 # pip-installed ddpx (find_package(ddpx) through ddpx.cmake_prefix_path, build tree
 # build-example/), launched by torchrun --no-python on the data and initial weights the Python job
-# exports, each row checked bit for bit against the Python row it repeats. Outputs:
-# out/results.md, out/results.json, out/loss_curves.png, out/results_cpp.md.
+# exports, each row checked bit for bit against the Python row it repeats. Last, the model-parallel
+# job (examples/train_digits_rpc.py, 3 RPC workers): the same training with the MLP split over two
+# owners and stepped by ddpx's and torch's DistributedOptimizer. Outputs: out/results.md,
+# out/results.json, out/loss_curves.png, out/results_cpp.md, out/results_rpc.md.
 #
 #   ./scripts/main.sh                       pip torch 2.x (the primary target)
 #   DDPX_TORCH=debian ./scripts/main.sh     Debian's torch 1.13 (.venv-debian, build-pip-debian/)
@@ -80,3 +82,13 @@ echo
 echo "==================== $OUT_DIR/results_cpp.md (the C++ program) ===================="
 cat "$OUT_DIR/results_cpp.md"
 echo "(C++ job, build included: $(( $(ddpx_now) - start )) s; log: $OUT_DIR/cpp_job.log)"
+start=$(ddpx_now)
+# shellcheck disable=SC2046
+env -u PYTHONPATH "$DDPX_PY" -m torch.distributed.run --standalone --nproc_per_node=3 \
+  $(torchrun_args) examples/train_digits_rpc.py --out "$OUT_DIR/" \
+  --compare "$OUT_DIR/final_weights.pt" > "$OUT_DIR/rpc_job.log" 2>&1 \
+  || { cat "$OUT_DIR/rpc_job.log"; exit 1; }
+echo
+echo "==================== $OUT_DIR/results_rpc.md (model parallel, RPC) ===================="
+cat "$OUT_DIR/results_rpc.md"
+echo "(RPC job: $(( $(ddpx_now) - start )) s; log: $OUT_DIR/rpc_job.log)"

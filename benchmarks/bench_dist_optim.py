@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""RPC DistributedOptimizer step latency: ddpx's (owners step in C++, no GIL) vs torch's, its
+TorchScript functional path (torch's default for Adam) and its Python path, with and without
+GIL contention on the owners.
+
+3 workers on loopback (TensorPipe): worker0 trains, workers 1 and 2 own ``--tensors`` parameter
+tensors between them (``--numel`` elements each). Each step: a distributed-autograd context, a
+forward RPC to each owner (sum of p * x over its parameters), ``dist_autograd.backward``, then
+``opt.step(context_id)``, which alone is timed. The optimizers are interleaved step by step
+(rotating which goes first) on the same parameters' copies, in one trainer process.
+
+Contention ("busy" rows): each owner runs a Python thread that holds its GIL nearly all the time
+without using the CPU (a loop of ``usleep`` called through ``ctypes.PyDLL``, which keeps the
+GIL): what an owner whose Python threads hold the GIL (data loading, logging, an RPC handler in
+Python) does to steps that need the GIL, without taking CPU from steps that do not (on this
+2-core machine a CPU-burning thread per owner would measure the CPU share, not the GIL).
+``--busy cpu`` uses a CPU-burning Python loop instead; ``--busy none`` starts nothing (a control:
+the busy / quiet ratios it prints are the measurement's noise floor).
+
+    python benchmarks/bench_dist_optim.py [--tensors 200] [--numel 4096] [--steps 40]
+(ddpx importable: PYTHONPATH=build/python, or a pip install)
+"""
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+_PARAMS = {}
+_BUSY = {}
+
+
+# ---- owner side -----------------------------------------------------------------------------
+def _make_params(key, count, numel, seed):
+    g = torch.Generator().manual_seed(seed)
+    _PARAMS[key] = [torch.rand(numel, generator=g, requires_grad=True) for _ in range(count)]
+    return _PARAMS[key]
+
+
+def _param_rref(key, i):
+    return _PARAMS[key][i]
+
+
+def _forward(key, x):
+    return sum((p * x).sum() for p in _PARAMS[key])
+
+
+def _hold_gil(stop):
+    usleep = ctypes.PyDLL(None).usleep  # PyDLL: the call keeps the GIL
+    usleep.argtypes = [ctypes.c_uint]
+    while not stop.is_set():
+        usleep(20000)  # 20 ms with the GIL held, no CPU
+
+
+def _burn_cpu(stop):
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+
+def _busy_start(mode):
+    stop = threading.Event()
+    _BUSY["stop"] = stop
+    if mode == "none":  # the control: "busy" blocks as quiet as the quiet ones
+        return
+    target = _hold_gil if mode == "gil" else _burn_cpu
+    threading.Thread(target=target, args=(stop,), daemon=True).start()
+
+
+def _busy_stop():
+    _BUSY["stop"].set()
+
+
+# ---- trainer ------------------------------------------------------------------------------
+class _NonScriptedAdam(torch.optim.Adam):
+    """torch.optim.Adam under another name: torch's DistributedOptimizer has no TorchScript
+    form for it, so it takes its Python path (what any optimizer without one gets)."""
+
+
+def _worker(rank, world, init_file, args, out_file):
+    import ddpx  # noqa: F401  (registers ddpx's operator on every worker)
+    from ddpx.optim import DistributedOptimizer
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+    torch.set_num_threads(1)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", rpc_timeout=120)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    if rank == 0:
+        half = args.tensors // 2
+        impls = {
+            "torch TorchScript": (TorchDistributedOptimizer, torch.optim.Adam),
+            "torch Python": (TorchDistributedOptimizer, _NonScriptedAdam),
+            "ddpx C++": (DistributedOptimizer, torch.optim.Adam),
+        }
+        setups = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k, name in enumerate(impls):
+                cls, optim_cls = impls[name]
+                refs = []
+                for owner in (1, 2):
+                    key = f"m{k}"
+                    rpc.rpc_sync(f"worker{owner}", _make_params,
+                                 args=(key, half, args.numel, 10 * k + owner))
+                    refs += [rpc.remote(f"worker{owner}", _param_rref, args=(key, i))
+                             for i in range(half)]
+                for r in refs:
+                    r.to_here()
+                setups[name] = (cls(optim_cls, refs, lr=1e-3), f"m{k}")
+        x = torch.rand(args.numel)
+        names = list(setups)
+        results = {"quiet": {n: [] for n in names}, "busy": {n: [] for n in names}}
+
+        def run_steps(mode, count, record):
+            for step in range(count):
+                order = names[step % len(names):] + names[:step % len(names)]
+                for name in order:
+                    opt, key = setups[name]
+                    with dist_autograd.context() as cid:
+                        loss = (rpc.rpc_sync("worker1", _forward, args=(key, x)) +
+                                rpc.rpc_sync("worker2", _forward, args=(key, x)))
+                        dist_autograd.backward(cid, [loss])
+                        t0 = time.perf_counter()
+                        opt.step(cid)
+                        dt = time.perf_counter() - t0
+                    if record:
+                        results[mode][name].append(dt * 1e3)
+
+        run_steps("quiet", args.warmup, record=False)
+        # Quiet and busy blocks alternate, so that a change in the machine's load hits both.
+        per_round = max(1, args.steps // args.rounds)
+        for _ in range(args.rounds):
+            run_steps("quiet", per_round, record=True)
+            for owner in (1, 2):
+                rpc.rpc_sync(f"worker{owner}", _busy_start, args=(args.busy,))
+            run_steps("busy", per_round, record=True)
+            for owner in (1, 2):
+                rpc.rpc_sync(f"worker{owner}", _busy_stop)
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+    rpc.shutdown()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tensors", type=int, default=200, help="parameter tensors, over 2 owners")
+    p.add_argument("--numel", type=int, default=4096, help="elements per tensor")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per setting")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4, help="alternating quiet / busy blocks")
+    p.add_argument("--busy", choices=["gil", "cpu", "none"], default="gil",
+                   help="none: a control run, nothing busy (the ratios' noise floor)")
+    p.add_argument("--json", help="write the step times there")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        init_file, out_file = os.path.join(d, "init"), os.path.join(d, "out.json")
+        mp.start_processes(_worker, args=(3, init_file, args, out_file), nprocs=3, join=True,
+                           start_method="spawn")
+        with open(out_file) as f:
+            results = json.load(f)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "results": results}, f)
+    med = {mode: {n: statistics.median(v) for n, v in r.items()} for mode, r in results.items()}
+    print(f"bench_dist_optim: torch {torch.__version__}, Adam(lr=1e-3), {args.tensors} tensors x "
+          f"{args.numel} over 2 owners, 3 TensorPipe workers on loopback, {args.steps} timed "
+          f"steps each (median), busy = {args.busy}")
+    print()
+    print("| implementation | step ms, quiet | step ms, owners busy | busy / quiet | "
+          "ddpx / this, quiet | ddpx / this, busy |")
+    print("|---|---:|---:|---:|---:|---:|")
+    ours = "ddpx C++"
+    for name in med["quiet"]:
+        q, b = med["quiet"][name], med["busy"][name]
+        print(f"| {name} | {q:.2f} | {b:.2f} | {b / q:.2f}x | "
+              f"{med['quiet'][ours] / q:.2f} | {med['busy'][ours] / b:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
