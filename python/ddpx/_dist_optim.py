@@ -235,6 +235,8 @@ class DistributedOptimizer:
             # negative eps...), on a throwaway parameter, before any worker is involved.
             optimizer_class([torch.zeros(1, requires_grad=True)], *args, **kwargs)
         self.is_native = kind is not None
+        # torch's name for "the owners' steps avoid Python" (its TorchScript path; ddpx's C++).
+        self.is_functional_optim = self.is_native
         if not self.is_native:
             _warn_once(reason, f"ddpx.optim.DistributedOptimizer: {reason}; its steps run torch's "
                                "optimizer in Python on the owners (under their GIL)")

@@ -175,9 +175,13 @@ def _differential_rank(rank, world_size, init_file):
             theirs = _train(cls, TorchDistributedOptimizer, kwargs, f"t{i}_")
             ours = _train(cls, DistributedOptimizer, kwargs, f"d{i}_")
             out[i] = (theirs, ours)
-        assert DistributedOptimizer(torch.optim.SGD, [rpc.RRef(torch.zeros(1,
-                                                                          requires_grad=True))],
-                                    lr=0.1).is_native
+        local = [rpc.RRef(torch.zeros(1, requires_grad=True))]
+        ours = DistributedOptimizer(torch.optim.SGD, local, lr=0.1)
+        theirs = TorchDistributedOptimizer(torch.optim.SGD, local, lr=0.1)
+        assert ours.is_native and ours.is_functional_optim
+        # Every attribute of torch's instance is on ddpx's.
+        missing = set(vars(theirs)) - set(vars(ours))
+        assert not missing, missing
     rpc.shutdown()
     return out
 
@@ -415,3 +419,50 @@ def test_model_parallel_example(tmp_path):
     for r in rows:
         assert float(r[5]) == 0.0, rows  # bit-identical to the other row
         assert float(r[2].strip().rstrip("%")) > 60.0, rows  # 1 epoch learns (chance: 10%)
+
+
+# ---- an owner that has shut down --------------------------------------------------------------
+SHORT_RPC_TIMEOUT_S = 5
+
+
+def _dead_owner_rank(rank, world_size, init_file):
+    """worker2 owns a parameter and shuts its RPC agent down (ungracefully); the trainer's step
+    and a new DistributedOptimizer over that parameter must fail within the RPC timeout, naming
+    worker2, instead of hanging."""
+    _init_rpc(rank, world_size, init_file, timeout=SHORT_RPC_TIMEOUT_S)
+    report = {}
+    if rank == 0:
+        r1 = rpc.remote("worker1", _make_param, args=("alive", 1, (3, 3)))
+        r2 = rpc.remote("worker2", _make_param, args=("dead", 2, (3, 3)))
+        r1.to_here(), r2.to_here()
+        opt = DistributedOptimizer(torch.optim.SGD, [r1, r2], lr=0.1)
+    dist.barrier()
+    if rank == 2:
+        rpc.shutdown(graceful=False)
+    dist.barrier()
+    if rank == 0:
+        for what, fn in (("step", lambda: opt.step(cid)),
+                         ("init", lambda: DistributedOptimizer(torch.optim.SGD, [r2], lr=0.1))):
+            t0 = time.perf_counter()
+            with dist_autograd.context() as cid:
+                try:
+                    fn()
+                    report[what] = (None, time.perf_counter() - t0)
+                except Exception as exc:  # noqa: BLE001
+                    report[what] = (f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
+    dist.barrier()
+    if rank != 2:
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception:  # noqa: BLE001 - teardown with a dead peer
+            pass
+    return report
+
+
+def test_owner_shut_down_is_a_clear_error():
+    report = _run(_dead_owner_rank, 3)[0]
+    for what in ("step", "init"):
+        error, seconds = report[what]
+        assert error is not None, f"{what}: no error with the owner gone"
+        assert "worker2" in error, error
+        assert seconds < 3 * SHORT_RPC_TIMEOUT_S + 5, (what, seconds, error)
