@@ -4,6 +4,8 @@
   SGD   torch.optim.SGD(momentum=0.9)           vs  ddpx._C.FunctionalSGD(momentum=0.9)
   Adam  torch.optim.Adam()                      vs  ddpx._C.FunctionalAdam()
   AdamW torch.optim.AdamW() (weight_decay 1e-2)  vs  ddpx._C.FunctionalAdam(decoupled_weight_decay)
+  Adagrad torch.optim.Adagrad()                 vs  ddpx._C.FunctionalAdagrad()
+  RMSprop torch.optim.RMSprop(momentum=0.9, centered=True)  vs  ddpx._C.FunctionalRMSprop(same)
 
 torch runs twice: its default implementation (foreach=None: the single-tensor loop on CPU) and
 foreach=True. One step of --mparams Mi fp32 parameters split into --tensors tensors. Each
@@ -34,10 +36,15 @@ C = ddpx._C
 
 def make(name: str, params: List[torch.Tensor], impl: str):
     kw = {"SGD": dict(lr=0.01, momentum=0.9), "Adam": dict(lr=1e-3),
-          "AdamW": dict(lr=1e-3, weight_decay=1e-2)}[name]
+          "AdamW": dict(lr=1e-3, weight_decay=1e-2), "Adagrad": dict(lr=1e-2),
+          "RMSprop": dict(lr=1e-2, momentum=0.9, centered=True)}[name]
     if impl == "ddpx":
         if name == "SGD":
             return C.FunctionalSGD(params, **kw)
+        if name == "Adagrad":
+            return C.FunctionalAdagrad(params, **kw)
+        if name == "RMSprop":
+            return C.FunctionalRMSprop(params, **kw)
         return C.FunctionalAdam(params, decoupled_weight_decay=name == "AdamW", **kw)
     if impl == "torch-foreach":
         kw["foreach"] = True
@@ -84,7 +91,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mparams", type=int, default=16, help="Mi fp32 parameters in all")
     p.add_argument("--tensors", type=int, default=32)
-    p.add_argument("--optims", default="SGD,Adam,AdamW")
+    p.add_argument("--optims", default="SGD,Adam,AdamW,Adagrad,RMSprop")
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="", help="write the raw results (JSON) to this file")

@@ -16,7 +16,8 @@ Python and without the GIL. Only the construction runs Python on the owners (onc
 distributed-autograd C++ header, which Debian's torch 1.13 does not ship: the gradients reach C++
 as the ``Dict(Tensor, Tensor)`` the builtin returns, on torch 1.13 and 2.x alike.
 
-Optimizer classes with a C++ form: ``torch.optim.SGD``, ``Adam``, ``AdamW``. Any other falls
+Optimizer classes with a C++ form: ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``,
+``RMSprop``. Any other falls
 back to running torch's optimizer in Python on the owners, as torch's non-scripted path does,
 with a one-time warning naming the reason.
 """
@@ -41,6 +42,10 @@ _NATIVE: Dict[type, Tuple[str, Tuple[str, ...]]] = {
                               "maximize")),
     torch.optim.Adam: ("adam", ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
     torch.optim.AdamW: ("adamw", ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
+    torch.optim.Adagrad: ("adagrad", ("lr", "lr_decay", "weight_decay",
+                                      "initial_accumulator_value", "eps", "maximize")),
+    torch.optim.RMSprop: ("rmsprop", ("lr", "alpha", "eps", "weight_decay", "momentum",
+                                      "centered", "maximize")),
 }
 # Arguments that only choose torch's implementation (the result is the same): ignored when at
 # these values; another value (fused, differentiable, capturable...) means the Python path.
@@ -205,8 +210,9 @@ class DistributedOptimizer:
     a parameter update; as with torch, the gradients a step applies need not be those of the
     latest forward pass on that worker, and there is no ordering across workers.
 
-    ``torch.optim.SGD``, ``Adam`` and ``AdamW`` run as ddpx's C++ functional optimizers (every
-    argument of torch's: lr, momentum, dampening, nesterov, weight_decay, betas, eps, amsgrad,
+    ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad`` and ``RMSprop`` run as ddpx's C++
+    functional optimizers (every argument of torch's: lr, momentum, dampening, nesterov,
+    weight_decay, betas, eps, amsgrad, lr_decay, initial_accumulator_value, alpha, centered,
     maximize; ``foreach`` is ignored). Any other class, or an argument the C++ form lacks
     (``fused``, ``differentiable``...), runs torch's optimizer in Python on the owners, with a
     one-time warning.

@@ -74,6 +74,25 @@ void AdamOptions::validate() const {
   TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
 }
 
+void AdagradOptions::validate() const {
+  // torch.optim.Adagrad's checks, in its order and with its messages (`not 0.0 <= x`: NaN too).
+  TORCH_CHECK_VALUE(0.0 <= lr, "Invalid learning rate: ", lr);
+  TORCH_CHECK_VALUE(0.0 <= lr_decay, "Invalid lr_decay value: ", lr_decay);
+  TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
+  TORCH_CHECK_VALUE(0.0 <= initial_accumulator_value,
+                    "Invalid initial_accumulator_value value: ", initial_accumulator_value);
+  TORCH_CHECK_VALUE(0.0 <= eps, "Invalid epsilon value: ", eps);
+}
+
+void RMSpropOptions::validate() const {
+  // torch.optim.RMSprop's checks, in its order and with its messages (NaN refused too).
+  TORCH_CHECK_VALUE(0.0 <= lr, "Invalid learning rate: ", lr);
+  TORCH_CHECK_VALUE(0.0 <= eps, "Invalid epsilon value: ", eps);
+  TORCH_CHECK_VALUE(0.0 <= momentum, "Invalid momentum value: ", momentum);
+  TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
+  TORCH_CHECK_VALUE(0.0 <= alpha, "Invalid alpha value: ", alpha);
+}
+
 // ---- steps ----------------------------------------------------------------------------------
 
 void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -167,6 +186,96 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
         compat::kAdamLerpsExpAvg ? std::pow(bias_correction2, 0.5) : std::sqrt(bias_correction2);
   }
   ops::adam_update_multi(params, grads, exp_avgs, exp_avg_sqs, maxes, per);
+}
+
+void adagrad_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  std::vector<at::Tensor>& state_sums, std::vector<int64_t>& steps,
+                  const AdagradOptions& opts) {
+  constexpr const char* kOp = "ddpx::optim::adagrad_step";
+  opts.validate();
+  const size_t n = params.size();
+  check_count(n, grads.size(), kOp, "grads");
+  check_count(n, state_sums.size(), kOp, "state_sums");
+  check_count(n, steps.size(), kOp, "steps");
+  for (size_t i = 0; i < n; ++i) {
+    check_param(params[i], kOp, i);
+    check_like(params[i], grads[i], kOp, "grads", i);  // a sparse gradient fails here
+    TORCH_CHECK_VALUE(steps[i] >= 0, kOp, ": steps[", i, "] must be >= 0, got ", steps[i]);
+    if (state_sums[i].defined()) {
+      check_like(params[i], state_sums[i], kOp, "state_sums", i);
+    } else {
+      TORCH_CHECK_VALUE(steps[i] == 0, kOp, ": params[", i, "] has no sum but step ", steps[i]);
+    }
+  }
+  kernels::AdagradScalars s;
+  s.weight_decay = opts.weight_decay;
+  s.eps = opts.eps;
+  s.maximize = opts.maximize;
+  for (size_t i = 0; i < n; ++i) {
+    if (!state_sums[i].defined()) {
+      state_sums[i] = at::full_like(params[i], opts.initial_accumulator_value);
+    }
+    // torch keeps the step in a float32 tensor and decays the rate in Python floats.
+    steps[i] += 1;
+    const double step = static_cast<double>(static_cast<float>(steps[i]));
+    s.clr = opts.lr / (1 + (step - 1) * opts.lr_decay);
+    ops::adagrad_update(params[i], grads[i], state_sums[i], s);
+  }
+}
+
+void rmsprop_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  std::vector<at::Tensor>& square_avgs, std::vector<at::Tensor>& grad_avgs,
+                  std::vector<at::Tensor>& momentum_buffers, std::vector<int64_t>& steps,
+                  const RMSpropOptions& opts) {
+  constexpr const char* kOp = "ddpx::optim::rmsprop_step";
+  opts.validate();
+  const size_t n = params.size();
+  const bool momentum = opts.momentum > 0;
+  check_count(n, grads.size(), kOp, "grads");
+  check_count(n, square_avgs.size(), kOp, "square_avgs");
+  if (opts.centered) check_count(n, grad_avgs.size(), kOp, "grad_avgs");
+  if (momentum) check_count(n, momentum_buffers.size(), kOp, "momentum_buffers");
+  check_count(n, steps.size(), kOp, "steps");
+  for (size_t i = 0; i < n; ++i) {
+    check_param(params[i], kOp, i);
+    check_like(params[i], grads[i], kOp, "grads", i);  // a sparse gradient fails here
+    TORCH_CHECK_VALUE(steps[i] >= 0, kOp, ": steps[", i, "] must be >= 0, got ", steps[i]);
+    const bool has_avg = square_avgs[i].defined();
+    const bool has_grad_avg = opts.centered && grad_avgs[i].defined();
+    const bool has_buf = momentum && momentum_buffers[i].defined();
+    const bool fresh = !has_avg && !has_grad_avg && !has_buf;
+    const bool complete = has_avg && (!opts.centered || has_grad_avg) && (!momentum || has_buf);
+    TORCH_CHECK_VALUE((fresh && steps[i] == 0) || complete, kOp, ": params[", i,
+                      "] has part of its state only (step ", steps[i],
+                      "); give square_avg (grad_avg when centered, momentum_buffer with "
+                      "momentum) or none");
+    if (complete) {
+      check_like(params[i], square_avgs[i], kOp, "square_avgs", i);
+      if (opts.centered) check_like(params[i], grad_avgs[i], kOp, "grad_avgs", i);
+      if (momentum) check_like(params[i], momentum_buffers[i], kOp, "momentum_buffers", i);
+    }
+  }
+  kernels::RMSpropScalars s;
+  s.lr = opts.lr;
+  s.alpha = opts.alpha;
+  s.eps = opts.eps;
+  s.weight_decay = opts.weight_decay;
+  s.momentum = opts.momentum;
+  s.centered = opts.centered;
+  s.maximize = opts.maximize;
+  s.formula = compat::kRMSpropLerpsGradAvg ? kernels::RMSpropFormula::kTorch2
+                                           : kernels::RMSpropFormula::kTorch1;
+  for (size_t i = 0; i < n; ++i) {
+    if (!square_avgs[i].defined()) square_avgs[i] = at::zeros_like(params[i]);
+    if (opts.centered && !grad_avgs[i].defined()) grad_avgs[i] = at::zeros_like(params[i]);
+    if (momentum && !momentum_buffers[i].defined()) {
+      momentum_buffers[i] = at::zeros_like(params[i]);
+    }
+    steps[i] += 1;  // torch counts it; the update does not use it
+    ops::rmsprop_update(params[i], grads[i], square_avgs[i],
+                        opts.centered ? grad_avgs[i] : at::Tensor(),
+                        momentum ? momentum_buffers[i] : at::Tensor(), s);
+  }
 }
 
 // ---- stateful wrappers ----------------------------------------------------------------------
@@ -302,6 +411,131 @@ void FunctionalAdam::load_state(const std::vector<ParamState>& state) {
   exp_avgs_ = std::move(m);
   exp_avg_sqs_ = std::move(v);
   max_exp_avg_sqs_ = std::move(vmax);
+  steps_ = std::move(steps);
+}
+
+namespace {
+
+// A loaded "step": a one-element tensor (torch's 0-dim float32, or what a Python number became).
+int64_t step_of(const ParamState& st, const char* op, size_t i) {
+  auto step = st.find("step");
+  TORCH_CHECK_VALUE(step != st.end() && step->second.defined() && step->second.numel() == 1, op,
+                    ": state[", i, "] has no \"step\"");
+  const double value = step->second.item<double>();
+  TORCH_CHECK_VALUE(value >= 0 && value == std::floor(value), op, ": state[", i,
+                    "][\"step\"] must be a whole number >= 0, got ", value);
+  return static_cast<int64_t>(value);
+}
+
+at::Tensor step_tensor(int64_t step) {
+  return at::scalar_tensor(static_cast<double>(step), at::kFloat);
+}
+
+}  // namespace
+
+FunctionalAdagrad::FunctionalAdagrad(std::vector<at::Tensor> params, AdagradOptions opts)
+    : params_(std::move(params)), opts_(opts), sums_(params_.size()), steps_(params_.size(), 0) {
+  opts_.validate();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    check_param(params_[i], "FunctionalAdagrad", i);
+    sums_[i] = at::full_like(params_[i], opts_.initial_accumulator_value);
+  }
+}
+
+void FunctionalAdagrad::step(const std::vector<at::Tensor>& grads) {
+  const auto idx = stepped_indices(params_, grads, "FunctionalAdagrad.step");
+  std::vector<at::Tensor> sums = pick(sums_, idx);
+  std::vector<int64_t> steps = pick(steps_, idx);
+  adagrad_step(pick(params_, idx), pick(grads, idx), sums, steps, opts_);
+  put(sums_, idx, sums);
+  put(steps_, idx, steps);
+}
+
+std::vector<ParamState> FunctionalAdagrad::state() const {
+  std::vector<ParamState> out(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out[i]["step"] = step_tensor(steps_[i]);
+    out[i]["sum"] = sums_[i];
+  }
+  return out;
+}
+
+void FunctionalAdagrad::load_state(const std::vector<ParamState>& state) {
+  constexpr const char* kOp = "FunctionalAdagrad.load_state";
+  check_count(params_.size(), state.size(), kOp, "state");
+  std::vector<at::Tensor> sums(params_.size());
+  std::vector<int64_t> steps(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamState& st = state[i];
+    if (st.empty()) {
+      sums[i] = at::full_like(params_[i], opts_.initial_accumulator_value);
+      continue;
+    }
+    steps[i] = step_of(st, kOp, i);
+    sums[i] = state_like(params_[i], st, "sum", kOp, i);
+    TORCH_CHECK_VALUE(sums[i].defined(), kOp, ": state[", i, "] needs \"sum\"");
+  }
+  sums_ = std::move(sums);
+  steps_ = std::move(steps);
+}
+
+FunctionalRMSprop::FunctionalRMSprop(std::vector<at::Tensor> params, RMSpropOptions opts)
+    : params_(std::move(params)),
+      opts_(opts),
+      square_avgs_(params_.size()),
+      grad_avgs_(params_.size()),
+      momentum_buffers_(params_.size()),
+      steps_(params_.size(), 0) {
+  opts_.validate();
+  for (size_t i = 0; i < params_.size(); ++i) check_param(params_[i], "FunctionalRMSprop", i);
+}
+
+void FunctionalRMSprop::step(const std::vector<at::Tensor>& grads) {
+  const auto idx = stepped_indices(params_, grads, "FunctionalRMSprop.step");
+  std::vector<at::Tensor> sq = pick(square_avgs_, idx), ga = pick(grad_avgs_, idx),
+                          bufs = pick(momentum_buffers_, idx);
+  std::vector<int64_t> steps = pick(steps_, idx);
+  rmsprop_step(pick(params_, idx), pick(grads, idx), sq, ga, bufs, steps, opts_);
+  put(square_avgs_, idx, sq);
+  put(grad_avgs_, idx, ga);
+  put(momentum_buffers_, idx, bufs);
+  put(steps_, idx, steps);
+}
+
+std::vector<ParamState> FunctionalRMSprop::state() const {
+  std::vector<ParamState> out(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!square_avgs_[i].defined()) continue;
+    out[i]["step"] = step_tensor(steps_[i]);
+    out[i]["square_avg"] = square_avgs_[i];
+    if (opts_.momentum > 0) out[i]["momentum_buffer"] = momentum_buffers_[i];
+    if (opts_.centered) out[i]["grad_avg"] = grad_avgs_[i];
+  }
+  return out;
+}
+
+void FunctionalRMSprop::load_state(const std::vector<ParamState>& state) {
+  constexpr const char* kOp = "FunctionalRMSprop.load_state";
+  check_count(params_.size(), state.size(), kOp, "state");
+  const size_t n = params_.size();
+  std::vector<at::Tensor> sq(n), ga(n), bufs(n);
+  std::vector<int64_t> steps(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const ParamState& st = state[i];
+    if (st.empty()) continue;
+    steps[i] = step_of(st, kOp, i);
+    sq[i] = state_like(params_[i], st, "square_avg", kOp, i);
+    TORCH_CHECK_VALUE(sq[i].defined(), kOp, ": state[", i, "] needs \"square_avg\"");
+    ga[i] = state_like(params_[i], st, "grad_avg", kOp, i);
+    TORCH_CHECK_VALUE(!opts_.centered || ga[i].defined(), kOp, ": state[", i,
+                      "] needs \"grad_avg\" when centered");
+    bufs[i] = state_like(params_[i], st, "momentum_buffer", kOp, i);
+    TORCH_CHECK_VALUE(!(opts_.momentum > 0) || bufs[i].defined(), kOp, ": state[", i,
+                      "] needs \"momentum_buffer\" with momentum");
+  }
+  square_avgs_ = std::move(sq);
+  grad_avgs_ = std::move(ga);
+  momentum_buffers_ = std::move(bufs);
   steps_ = std::move(steps);
 }
 

@@ -108,8 +108,33 @@ std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(const std::string& k
     o.validate();
     return wrap(kind, std::make_shared<FunctionalAdam>(std::move(params), o, kind == "adamw"));
   }
+  if (kind == "adagrad") {
+    AdagradOptions o;
+    read("lr", o.lr);
+    read("lr_decay", o.lr_decay);
+    read("weight_decay", o.weight_decay);
+    read("initial_accumulator_value", o.initial_accumulator_value);
+    read("eps", o.eps);
+    read("maximize", o.maximize);
+    read.done();
+    o.validate();
+    return wrap(kind, std::make_shared<FunctionalAdagrad>(std::move(params), o));
+  }
+  if (kind == "rmsprop") {
+    RMSpropOptions o;
+    read("lr", o.lr);
+    read("alpha", o.alpha);
+    read("eps", o.eps);
+    read("weight_decay", o.weight_decay);
+    read("momentum", o.momentum);
+    read("centered", o.centered);
+    read("maximize", o.maximize);
+    read.done();
+    o.validate();
+    return wrap(kind, std::make_shared<FunctionalRMSprop>(std::move(params), o));
+  }
   TORCH_CHECK_VALUE(false, "DistributedOptimizer: no C++ optimizer '", kind,
-                    "' (sgd, adam, adamw)");
+                    "' (sgd, adam, adamw, adagrad, rmsprop)");
 }
 
 int64_t register_rpc_local_optimizer(std::shared_ptr<RpcLocalOptimizer> optimizer) {

@@ -45,7 +45,8 @@ void bind_rpc_optim(py::module& m) {
         return optim::register_rpc_local_optimizer(std::move(optimizer));
       },
       py::arg("kind"), py::arg("params"), py::arg("args"),
-      "Builds this worker's C++ optimizer `kind` ('sgd', 'adam', 'adamw') over `params` with "
+      "Builds this worker's C++ optimizer `kind` ('sgd', 'adam', 'adamw', 'adagrad', "
+      "'rmsprop') over `params` with "
       "torch's constructor arguments `args` (a dict of floats; betas as beta1/beta2) and "
       "registers it; returns its id.");
   m.def("_rpc_optimizer_delete", &optim::unregister_rpc_local_optimizer, py::arg("optimizer_id"));

@@ -1,6 +1,7 @@
 // The functional optimizers (ddpx/optim/functional.h): one step against its closed form, the
-// first momentum step, the stateful classes and their torch-layout state, and the errors.
-// Parity over 100 steps against torch.optim is in tests/python/test_functional_optim.py.
+// first momentum step, the stateful classes and their torch-layout state, CUDA against CPU (skipped
+// without a GPU), and the errors. Parity over 100 steps against torch.optim is in
+// tests/python/test_functional_optim.py.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <ddpx/optim/functional.h>
@@ -12,7 +13,9 @@
 
 namespace {
 
+using ddpx::optim::AdagradOptions;
 using ddpx::optim::AdamOptions;
+using ddpx::optim::RMSpropOptions;
 using ddpx::optim::SGDOptions;
 
 at::Tensor rand_like_seeded(at::IntArrayRef shape, at::ScalarType dtype, uint64_t seed) {
@@ -145,6 +148,227 @@ TEST_P(FunctionalOptim, ClassesStateRoundTrip) {
   EXPECT_EQ(b.state()[1].at("step").item<float>(), 1.0f);
 }
 
+// One Adagrad step at step 3 (so lr_decay matters) from a given sum, in fp64 closed form.
+TEST_P(FunctionalOptim, AdagradOneStepClosedForm) {
+  const auto dt = GetParam();
+  at::Tensor p = rand_like_seeded({6, 5}, dt, 20), g = rand_like_seeded({6, 5}, dt, 21);
+  at::Tensor sum = rand_like_seeded({6, 5}, dt, 22).abs();
+  const at::Tensor p0 = f64(p), g0 = f64(g), sum0 = f64(sum);
+  AdagradOptions o;
+  o.lr = 0.1;
+  o.lr_decay = 0.5;
+  o.weight_decay = 0.01;
+  o.eps = 1e-3;
+  o.maximize = true;
+  std::vector<at::Tensor> sums{sum};
+  std::vector<int64_t> steps{2};
+  ddpx::optim::adagrad_step({p}, {g}, sums, steps, o);
+  EXPECT_EQ(steps[0], 3);
+  EXPECT_EQ(sums[0].data_ptr(), sum.data_ptr());  // updated in place
+  const at::Tensor d = -g0 + 0.01 * p0;
+  const at::Tensor sum1 = sum0 + d * d;
+  const double clr = 0.1 / (1 + 2 * 0.5);
+  const at::Tensor p1 = p0 - clr * d / (sum1.sqrt() + 1e-3);
+  const double tol = dt == at::kFloat ? 1e-6 : 1e-14;
+  EXPECT_TRUE(at::allclose(sums[0].to(at::kDouble), sum1, tol, tol));
+  EXPECT_TRUE(at::allclose(p.to(at::kDouble), p1, tol, tol));
+}
+
+// The first Adagrad step creates the sum filled with initial_accumulator_value, as torch does.
+TEST_P(FunctionalOptim, AdagradFirstStepCreatesSum) {
+  const auto dt = GetParam();
+  at::Tensor p = rand_like_seeded({50}, dt, 23), g = rand_like_seeded({50}, dt, 24);
+  const at::Tensor p0 = f64(p), g0 = f64(g);
+  AdagradOptions o;
+  o.initial_accumulator_value = 0.25;
+  o.eps = 0;
+  std::vector<at::Tensor> sums(1);
+  std::vector<int64_t> steps{0};
+  ddpx::optim::adagrad_step({p}, {g}, sums, steps, o);
+  ASSERT_TRUE(sums[0].defined());
+  EXPECT_EQ(steps[0], 1);
+  const at::Tensor sum1 = 0.25 + g0 * g0;
+  const double tol = dt == at::kFloat ? 1e-6 : 1e-14;
+  EXPECT_TRUE(at::allclose(sums[0].to(at::kDouble), sum1, tol, tol));
+  EXPECT_TRUE(at::allclose(p.to(at::kDouble), p0 - 1e-2 * g0 / sum1.sqrt(), tol, tol));
+}
+
+// One RMSprop step from given state, for every combination of centered and momentum, in fp64
+// closed form.
+TEST_P(FunctionalOptim, RMSpropOneStepClosedForm) {
+  const auto dt = GetParam();
+  for (bool centered : {false, true}) {
+    for (double momentum : {0.0, 0.9}) {
+      at::Tensor p = rand_like_seeded({4, 9}, dt, 25), g = rand_like_seeded({4, 9}, dt, 26);
+      // square_avg well above grad_avg^2, so the centered variance is positive.
+      at::Tensor sq = rand_like_seeded({4, 9}, dt, 27).abs() + 4;
+      at::Tensor ga = rand_like_seeded({4, 9}, dt, 28) * 0.25;
+      at::Tensor buf = rand_like_seeded({4, 9}, dt, 29);
+      const at::Tensor p0 = f64(p), g0 = f64(g), sq0 = f64(sq), ga0 = f64(ga), buf0 = f64(buf);
+      RMSpropOptions o;
+      o.lr = 0.01;
+      o.alpha = 0.9;
+      o.eps = 1e-4;
+      o.weight_decay = 0.1;
+      o.momentum = momentum;
+      o.centered = centered;
+      std::vector<at::Tensor> sqs{sq}, gas{ga}, bufs{buf};
+      std::vector<int64_t> steps{4};
+      ddpx::optim::rmsprop_step({p}, {g}, sqs, gas, bufs, steps, o);
+      EXPECT_EQ(steps[0], 5);
+      const at::Tensor d = g0 + 0.1 * p0;
+      const at::Tensor sq1 = 0.9 * sq0 + 0.1 * d * d;
+      const at::Tensor ga1 = centered ? 0.9 * ga0 + 0.1 * d : ga0;
+      const at::Tensor avg = (centered ? (sq1 - ga1 * ga1).sqrt() : sq1.sqrt()) + 1e-4;
+      const at::Tensor buf1 = momentum > 0 ? 0.9 * buf0 + d / avg : buf0;
+      const at::Tensor p1 = momentum > 0 ? p0 - 0.01 * buf1 : p0 - 0.01 * d / avg;
+      ASSERT_FALSE(p1.isnan().any().item<bool>());
+      const double tol = dt == at::kFloat ? 1e-5 : 1e-12;
+      const std::string where = std::string("centered ") + (centered ? "1" : "0") + " momentum " +
+                                std::to_string(momentum);
+      EXPECT_TRUE(at::allclose(sqs[0].to(at::kDouble), sq1, tol, tol)) << where;
+      EXPECT_TRUE(at::allclose(ga.to(at::kDouble), ga1, tol, tol)) << where;  // untouched if not
+      EXPECT_TRUE(at::allclose(buf.to(at::kDouble), buf1, tol, tol)) << where;
+      EXPECT_TRUE(at::allclose(p.to(at::kDouble), p1, tol, tol)) << where;
+    }
+  }
+}
+
+// The first RMSprop step creates zero state (grad_avg and the buffer only when used): with zero
+// state, square_avg = (1 - alpha) g^2 and the step is lr * g / (sqrt((1 - alpha) g^2) + eps).
+TEST_P(FunctionalOptim, RMSpropFirstStepCreatesState) {
+  const auto dt = GetParam();
+  at::Tensor p = rand_like_seeded({40}, dt, 30), g = rand_like_seeded({40}, dt, 31);
+  const at::Tensor p0 = f64(p), g0 = f64(g);
+  RMSpropOptions o;
+  o.eps = 0;
+  o.alpha = 0.75;
+  std::vector<at::Tensor> sqs(1), none;
+  std::vector<int64_t> steps{0};
+  ddpx::optim::rmsprop_step({p}, {g}, sqs, none, none, steps, o);
+  ASSERT_TRUE(sqs[0].defined());
+  EXPECT_TRUE(none.empty());
+  const double tol = dt == at::kFloat ? 1e-6 : 1e-14;
+  EXPECT_TRUE(at::allclose(sqs[0].to(at::kDouble), 0.25 * g0 * g0, tol, tol));
+  EXPECT_TRUE(at::allclose(p.to(at::kDouble), p0 - 1e-2 * g0.sign() / 0.5, tol, tol));
+}
+
+// The classes: torch's layout (Adagrad's state from the constructor, RMSprop's keys by option),
+// skipped parameters, and a state reload giving identical steps.
+TEST_P(FunctionalOptim, AdagradRMSpropStateRoundTrip) {
+  const auto dt = GetParam();
+  const std::vector<at::Tensor> grads{rand_like_seeded({3, 3}, dt, 34),
+                                      rand_like_seeded({8}, dt, 35)};
+  {
+    std::vector<at::Tensor> params{rand_like_seeded({3, 3}, dt, 32), rand_like_seeded({8}, dt, 33)};
+    AdagradOptions o;
+    o.initial_accumulator_value = 0.5;
+    o.lr_decay = 0.1;
+    ddpx::optim::FunctionalAdagrad a(params, o);
+    auto st = a.state();
+    ASSERT_EQ(st.size(), 2u);
+    for (const auto& s : st) {
+      ASSERT_EQ(s.size(), 2u);
+      EXPECT_EQ(s.at("step").scalar_type(), at::kFloat);
+      EXPECT_EQ(s.at("step").item<float>(), 0.0f);
+      EXPECT_TRUE(at::equal(s.at("sum"), at::full_like(s.at("sum"), 0.5)));
+    }
+    a.step({grads[0], at::Tensor()});
+    st = a.state();
+    EXPECT_EQ(st[0].at("step").item<float>(), 1.0f);
+    EXPECT_EQ(st[1].at("step").item<float>(), 0.0f);
+    std::vector<at::Tensor> copies{params[0].clone(), params[1].clone()};
+    ddpx::optim::FunctionalAdagrad b(copies, o);
+    b.load_state(st);
+    a.step(grads);
+    b.step(grads);
+    EXPECT_TRUE(at::equal(params[0], copies[0]));
+    EXPECT_TRUE(at::equal(params[1], copies[1]));
+    EXPECT_EQ(b.state()[0].at("step").item<float>(), 2.0f);
+  }
+  for (bool centered : {false, true}) {
+    std::vector<at::Tensor> params{rand_like_seeded({3, 3}, dt, 32), rand_like_seeded({8}, dt, 33)};
+    RMSpropOptions o;
+    o.centered = centered;
+    o.momentum = centered ? 0.0 : 0.5;
+    ddpx::optim::FunctionalRMSprop a(params, o);
+    EXPECT_TRUE(a.state()[0].empty());
+    a.step({grads[0], at::Tensor()});
+    auto st = a.state();
+    EXPECT_TRUE(st[1].empty());
+    ASSERT_EQ(st[0].size(), 3u);
+    EXPECT_EQ(st[0].count("grad_avg"), centered ? 1u : 0u);
+    EXPECT_EQ(st[0].count("momentum_buffer"), centered ? 0u : 1u);
+    EXPECT_EQ(st[0].at("step").item<float>(), 1.0f);
+    std::vector<at::Tensor> copies{params[0].clone(), params[1].clone()};
+    ddpx::optim::FunctionalRMSprop b(copies, o);
+    b.load_state(st);
+    a.step(grads);
+    b.step(grads);
+    EXPECT_TRUE(at::equal(params[0], copies[0]));
+    EXPECT_TRUE(at::equal(params[1], copies[1]));
+    EXPECT_EQ(b.state()[0].at("step").item<float>(), 2.0f);
+    EXPECT_EQ(b.state()[1].at("step").item<float>(), 1.0f);
+  }
+}
+
+// CUDA tensors run the CPU's element function: the same results bit for bit.
+TEST_P(FunctionalOptim, AdagradRMSpropCudaMatchesCpu) {
+#ifndef DDPX_WITH_CUDA
+  GTEST_SKIP() << "ddpx was built without CUDA kernels";
+#endif
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a CUDA GPU";
+  const auto dt = GetParam();
+  const std::vector<int64_t> sizes{1, 257, 100003};
+  std::vector<at::Tensor> cpu, cuda;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    cpu.push_back(rand_like_seeded({sizes[i]}, dt, 40 + i));
+    cuda.push_back(cpu.back().to(at::kCUDA));
+  }
+  AdagradOptions ao;
+  ao.lr_decay = 0.01;
+  ao.weight_decay = 0.1;
+  ao.maximize = true;
+  RMSpropOptions ro;
+  ro.momentum = 0.9;
+  ro.centered = true;
+  ro.alpha = 0.3;  // ATen's lerp from grad (torch 2.x)
+  ro.weight_decay = 0.1;
+  ddpx::optim::FunctionalAdagrad a_cpu(cpu, ao), a_cuda(cuda, ao);
+  for (int step = 0; step < 5; ++step) {
+    std::vector<at::Tensor> g_cpu, g_cuda;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      g_cpu.push_back(rand_like_seeded({sizes[i]}, dt, 100 * step + i));
+      g_cuda.push_back(g_cpu.back().to(at::kCUDA));
+    }
+    a_cpu.step(g_cpu);
+    a_cuda.step(g_cuda);
+  }
+  std::vector<at::Tensor> cpu2, cuda2;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    cpu2.push_back(cpu[i].clone());
+    cuda2.push_back(cpu[i].to(at::kCUDA));
+  }
+  ddpx::optim::FunctionalRMSprop r_cpu(cpu2, ro), r_cuda(cuda2, ro);
+  for (int step = 0; step < 5; ++step) {
+    std::vector<at::Tensor> g_cpu, g_cuda;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      g_cpu.push_back(rand_like_seeded({sizes[i]}, dt, 100 * step + i + 7));
+      g_cuda.push_back(g_cpu.back().to(at::kCUDA));
+    }
+    r_cpu.step(g_cpu);
+    r_cuda.step(g_cuda);
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_TRUE(at::equal(cuda[i].cpu(), cpu[i])) << "Adagrad tensor " << i;
+    EXPECT_TRUE(at::equal(cuda2[i].cpu(), cpu2[i])) << "RMSprop tensor " << i;
+    const auto st_cpu = r_cpu.state()[i], st_cuda = r_cuda.state()[i];
+    for (const char* key : {"square_avg", "grad_avg", "momentum_buffer"}) {
+      EXPECT_TRUE(at::equal(st_cuda.at(key).cpu(), st_cpu.at(key))) << key << " " << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, FunctionalOptim, ::testing::Values(at::kFloat, at::kDouble),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
@@ -175,6 +399,70 @@ TEST(FunctionalOptimErrors, Options) {
   a = AdamOptions();
   a.lr = std::nan("");
   expect_error<c10::ValueError>([&] { a.validate(); }, "Invalid learning rate");
+}
+
+TEST(FunctionalOptimErrors, AdagradRMSpropOptions) {
+  AdagradOptions a;
+  a.lr_decay = -1;
+  expect_error<c10::ValueError>([&] { a.validate(); }, "Invalid lr_decay value: -1");
+  a = AdagradOptions();
+  a.initial_accumulator_value = -0.5;
+  expect_error<c10::ValueError>([&] { a.validate(); },
+                                "Invalid initial_accumulator_value value: -0.5");
+  a = AdagradOptions();
+  a.eps = std::nan("");
+  expect_error<c10::ValueError>([&] { a.validate(); }, "Invalid epsilon value: nan");
+  EXPECT_NO_THROW(AdagradOptions().validate());
+  RMSpropOptions r;
+  r.alpha = -0.1;
+  expect_error<c10::ValueError>([&] { r.validate(); }, "Invalid alpha value: -0.1");
+  r = RMSpropOptions();
+  r.momentum = -1;
+  expect_error<c10::ValueError>([&] { r.validate(); }, "Invalid momentum value: -1");
+  r = RMSpropOptions();
+  r.lr = -1;
+  r.eps = -1;  // torch checks lr first
+  expect_error<c10::ValueError>([&] { r.validate(); }, "Invalid learning rate: -1");
+  EXPECT_NO_THROW(RMSpropOptions().validate());
+  // The constructors validate too.
+  expect_error<c10::ValueError>([&] { ddpx::optim::FunctionalRMSprop({at::zeros({2})}, r); },
+                                "Invalid learning rate");
+}
+
+TEST(FunctionalOptimErrors, AdagradRMSpropTensors) {
+  const at::Tensor p = at::zeros({4, 4});
+  std::vector<at::Tensor> sums(1), none;
+  std::vector<int64_t> steps{0};
+  // Dense gradients only: torch's Adagrad would take this sparse one, ddpx refuses it clearly.
+  expect_error<c10::Error>(
+      [&] {
+        ddpx::optim::adagrad_step({p}, {at::ones({4, 4}).to_sparse()}, sums, steps, {});
+      },
+      "grads[0] must be dense, got layout Sparse");
+  EXPECT_FALSE(sums[0].defined());  // nothing created by a failed call
+  EXPECT_EQ(steps[0], 0);
+  steps[0] = 3;
+  expect_error<c10::ValueError>([&] { ddpx::optim::adagrad_step({p}, {p}, sums, steps, {}); },
+                                "has no sum but step 3");
+  std::vector<at::Tensor> sqs{at::zeros({4, 4})};
+  RMSpropOptions centered;
+  centered.centered = true;
+  std::vector<at::Tensor> gas(1);
+  expect_error<c10::ValueError>(
+      [&] { ddpx::optim::rmsprop_step({p}, {p}, sqs, gas, none, steps, centered); },
+      "part of its state only");
+  expect_error<c10::ValueError>(
+      [&] { ddpx::optim::rmsprop_step({p}, {p}, sqs, none, none, steps, centered); },
+      "grad_avgs has 0 entries but params has 1");
+  std::vector<at::Tensor> bad{at::zeros({4})};
+  expect_error<c10::Error>([&] { ddpx::optim::rmsprop_step({p}, {p}, bad, none, none, steps, {}); },
+                           "square_avgs[0] has shape [4] but params[0] has shape [4, 4]");
+  ddpx::optim::FunctionalRMSprop r({p}, RMSpropOptions());
+  expect_error<c10::ValueError>(
+      [&] {
+        r.load_state({{{"square_avg", at::zeros({4, 4})}}});
+      },
+      "state[0] has no \"step\"");
 }
 
 TEST(FunctionalOptimErrors, Tensors) {

@@ -51,6 +51,21 @@ TEST(RpcLocalOptimizer, AdamAndAdamWDefaultsAreTorchs) {
   EXPECT_TRUE(at::allclose(w[0], at::full({4}, 1.0 * (1 - 0.1 * 1e-2) - 0.1), 1e-6, 1e-6));
 }
 
+TEST(RpcLocalOptimizer, AdagradAndRmspropTakeTorchsArguments) {
+  std::vector<at::Tensor> a{at::ones({4})}, r{at::ones({4})};
+  auto adagrad = make_rpc_local_optimizer(
+      "adagrad", a, {{"lr", 0.1}, {"initial_accumulator_value", 0.0}, {"eps", 0.0}});
+  auto rmsprop = make_rpc_local_optimizer(
+      "rmsprop", r, {{"lr", 0.1}, {"alpha", 0.0}, {"eps", 0.0}, {"centered", 0}, {"momentum", 0}});
+  adagrad->step(grads_of(a, {at::full({4}, 2.0)}));
+  rmsprop->step(grads_of(r, {at::full({4}, 2.0)}));
+  // Adagrad: sum = g^2, p -= lr * g / sqrt(sum) = lr. RMSprop with alpha 0: avg = g^2, the same.
+  EXPECT_TRUE(at::allclose(a[0], at::full({4}, 0.9)));
+  EXPECT_TRUE(at::allclose(r[0], at::full({4}, 0.9)));
+  EXPECT_THROW(make_rpc_local_optimizer("adagrad", a, {{"lr_decay", -1}}), c10::ValueError);
+  EXPECT_THROW(make_rpc_local_optimizer("rmsprop", r, {{"betas", 0.9}}), c10::ValueError);
+}
+
 TEST(RpcLocalOptimizer, BadArgumentsAreValueErrors) {
   std::vector<at::Tensor> p{at::ones({2})};
   EXPECT_THROW(make_rpc_local_optimizer("lbfgs", p, {}), c10::ValueError);

@@ -144,6 +144,13 @@ CONFIGS = [
     (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, maximize=True)),
     (torch.optim.AdamW, dict(lr=1e-2)),
     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.5, amsgrad=True)),
+    (torch.optim.Adagrad, dict(lr=0.05)),
+    (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.1,
+                               initial_accumulator_value=0.1, eps=1e-8, maximize=True)),
+    (torch.optim.RMSprop, dict(lr=0.01)),
+    (torch.optim.RMSprop, dict(lr=0.01, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9,
+                               centered=True)),
+    (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, maximize=True)),
 ]
 STEPS = 20
 

@@ -166,6 +166,11 @@ constexpr bool kGlooReducesBf16 = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
 // uses mul_(beta1).add_(grad, alpha=1 - beta1) and math.sqrt.
 constexpr bool kAdamLerpsExpAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
 
+// torch.optim.RMSprop's single-tensor step with centered=True (optim/functional.h follows it):
+// 2.1+ updates grad_avg with lerp_(grad, 1 - alpha) (pytorch#104796); 1.13 and 2.0 use
+// mul_(alpha).add_(grad, alpha=1 - alpha).
+constexpr bool kRMSpropLerpsGradAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 1);
+
 // ---- DDP's Reducer ---------------------------------------------------------------------------
 
 // What c10d::Reducer's constructor takes, by name (its positional list changed across releases).

@@ -1,12 +1,14 @@
-// Functional optimizers: SGD, Adam and AdamW as fused multi-tensor steps over a list of
-// tensors (one call updates a whole shard), for the overlapped ZeRO step and the distributed
-// optimizers. Results follow torch.optim's single-tensor implementation (foreach=False, torch's
-// CPU default) of the torch ddpx was built against, operation by operation, with IEEE-rounded
-// fma, division and sqrt: equal to torch 1.13's bit for bit; within 1 ulp per step of pip's
-// torch 2.x, whose CPU sqrt is not correctly rounded (about 20% of float32 results 1 ulp off),
-// which stays below 1e-6 relative over 100 steps (tests/python/test_functional_optim.py;
-// measured max 2.1e-7 fp32, 4e-16 fp64). CUDA tensors run the same element function in a CUDA
-// kernel, so a CUDA step equals a CPU step.
+// Functional optimizers: SGD, Adam, AdamW, Adagrad and RMSprop as fused multi-tensor steps over a
+// list of tensors (one call updates a whole shard), for the overlapped ZeRO step and the
+// distributed optimizers. Results follow torch.optim's single-tensor implementation (foreach=False,
+// torch's CPU default) of the torch ddpx was built against, operation by operation, with
+// IEEE-rounded fma, division and sqrt: equal to torch 1.13's bit for bit; within 1 ulp per step of
+// pip's torch 2.x, whose CPU sqrt is not correctly rounded (about 20% of float32 results 1 ulp
+// off), which stays below 1e-6 relative over 100 steps (tests/python/test_functional_optim.py;
+// measured max 2.1e-7 fp32 Adam and Adagrad, 5.1e-7 RMSprop, 4e-16 fp64; only where a problem
+// amplifies torch's own rounding noise is it more: centered RMSprop with alpha 0.3, momentum and
+// weight decay reaches 5e-6 fp32, as torch 2.x does against itself with an exact sqrt). CUDA
+// tensors run the same element function in a CUDA kernel, so a CUDA step equals a CPU step.
 //
 // Tensors: float32 or float64 (float16/bfloat16 parameters are refused: keep fp32 master
 // weights), dense and contiguous, a parameter's gradient and state of its dtype, device and
@@ -50,6 +52,29 @@ struct AdamOptions {
   void validate() const;
 };
 
+// torch.optim.Adagrad's hyper-parameters; validate() raises torch's ValueErrors.
+struct AdagradOptions {
+  double lr = 1e-2;                      // >= 0
+  double lr_decay = 0;                   // >= 0; step t uses lr / (1 + (t - 1) * lr_decay)
+  double weight_decay = 0;               // >= 0; L2 penalty added to the gradient
+  double initial_accumulator_value = 0;  // >= 0; what each element of "sum" starts from
+  double eps = 1e-10;                    // >= 0; added to sqrt(sum)
+  bool maximize = false;
+  void validate() const;
+};
+
+// torch.optim.RMSprop's hyper-parameters; validate() raises torch's ValueErrors.
+struct RMSpropOptions {
+  double lr = 1e-2;         // >= 0
+  double alpha = 0.99;      // >= 0; smoothing constant of square_avg (and grad_avg)
+  double eps = 1e-8;        // >= 0; added to the root of the (centered) mean square
+  double weight_decay = 0;  // >= 0; L2 penalty added to the gradient
+  double momentum = 0;      // >= 0; > 0: keep a momentum buffer
+  bool centered = false;    // normalise by the variance estimate (keeps grad_avg)
+  bool maximize = false;
+  void validate() const;
+};
+
 // One SGD step of every params[i] with grads[i]. momentum_buffers must have params.size()
 // entries; with momentum, an undefined entry is created on this step as torch does (a copy of
 // the gradient after weight decay, no dampening), and the vector then holds it.
@@ -66,9 +91,31 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                std::vector<at::Tensor>& max_exp_avg_sqs, std::vector<int64_t>& steps,
                const AdamOptions& opts, bool decoupled_weight_decay);
 
+// One Adagrad step of every params[i] with grads[i] (dense gradients only). state_sums and steps
+// must have params.size() entries. An undefined sum is created as torch.optim.Adagrad's
+// constructor creates it, filled with initial_accumulator_value (its step must then be 0).
+// steps[i] counts params[i]'s steps, as torch's state["step"]; this call increments it before
+// using it (for the decayed learning rate).
+void adagrad_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  std::vector<at::Tensor>& state_sums, std::vector<int64_t>& steps,
+                  const AdagradOptions& opts);
+
+// One RMSprop step of every params[i] with grads[i] (dense gradients only). square_avgs and
+// steps must have params.size() entries, grad_avgs too when centered and momentum_buffers with
+// momentum > 0 (either may be empty otherwise). Undefined state entries are created as zeros, as
+// torch does on a parameter's first step (their step must then be 0). steps[i] counts
+// params[i]'s steps, as torch's state["step"]; this call increments it.
+void rmsprop_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  std::vector<at::Tensor>& square_avgs, std::vector<at::Tensor>& grad_avgs,
+                  std::vector<at::Tensor>& momentum_buffers, std::vector<int64_t>& steps,
+                  const RMSpropOptions& opts);
+
 // One parameter's state in torch.optim's state_dict layout: "momentum_buffer" (SGD), or
-// "step" (a 0-dim float32 tensor, as torch stores it), "exp_avg", "exp_avg_sq" and, with
-// amsgrad, "max_exp_avg_sq" (Adam, AdamW). Empty for a parameter never stepped.
+// "step" (a 0-dim float32 tensor, as torch stores it) with "exp_avg", "exp_avg_sq" and, with
+// amsgrad, "max_exp_avg_sq" (Adam, AdamW); with "sum" (Adagrad); with "square_avg",
+// "momentum_buffer" when momentum > 0 and "grad_avg" when centered (RMSprop; torch 1.13 keeps
+// this step as a Python int). Empty for a parameter never stepped (Adagrad: never empty, torch
+// creates its state in the constructor).
 using ParamState = std::map<std::string, at::Tensor>;
 
 // An SGD over a fixed list of parameters, holding their state (ZeRO's shard, an RPC worker's
@@ -112,6 +159,45 @@ class FunctionalAdam {
   std::vector<at::Tensor> exp_avgs_;
   std::vector<at::Tensor> exp_avg_sqs_;
   std::vector<at::Tensor> max_exp_avg_sqs_;
+  std::vector<int64_t> steps_;
+};
+
+// Adagrad over a fixed list of parameters; as FunctionalSGD. Like torch.optim.Adagrad, creates
+// every parameter's state in the constructor (step 0, sum filled with
+// initial_accumulator_value), so state() lists every parameter from the start.
+class FunctionalAdagrad {
+ public:
+  FunctionalAdagrad(std::vector<at::Tensor> params, AdagradOptions opts);
+  void step(const std::vector<at::Tensor>& grads);
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const AdagradOptions& options() const { return opts_; }
+  std::vector<ParamState> state() const;
+  // An empty entry gives its parameter the constructor's fresh state.
+  void load_state(const std::vector<ParamState>& state);
+
+ private:
+  std::vector<at::Tensor> params_;
+  AdagradOptions opts_;
+  std::vector<at::Tensor> sums_;
+  std::vector<int64_t> steps_;
+};
+
+// RMSprop over a fixed list of parameters; as FunctionalSGD.
+class FunctionalRMSprop {
+ public:
+  FunctionalRMSprop(std::vector<at::Tensor> params, RMSpropOptions opts);
+  void step(const std::vector<at::Tensor>& grads);
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const RMSpropOptions& options() const { return opts_; }
+  std::vector<ParamState> state() const;
+  void load_state(const std::vector<ParamState>& state);
+
+ private:
+  std::vector<at::Tensor> params_;
+  RMSpropOptions opts_;
+  std::vector<at::Tensor> square_avgs_;
+  std::vector<at::Tensor> grad_avgs_;
+  std::vector<at::Tensor> momentum_buffers_;
   std::vector<int64_t> steps_;
 };
 

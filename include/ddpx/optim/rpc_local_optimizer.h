@@ -52,7 +52,9 @@ using OptimizerArgs = std::map<std::string, double>;
 
 // The optimizers with a C++ form, by torch.optim class name in lower case: "sgd" (lr, momentum,
 // dampening, weight_decay, nesterov, maximize), "adam" and "adamw" (lr, beta1, beta2, eps,
-// weight_decay, amsgrad, maximize). Missing arguments take torch's defaults; an unknown kind or
+// weight_decay, amsgrad, maximize), "adagrad" (lr, lr_decay, weight_decay,
+// initial_accumulator_value, eps, maximize), "rmsprop" (lr, alpha, eps, weight_decay, momentum,
+// centered, maximize). Missing arguments take torch's defaults; an unknown kind or
 // argument, or a value torch refuses, is a c10::ValueError.
 std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(const std::string& kind,
                                                             std::vector<at::Tensor> params,
