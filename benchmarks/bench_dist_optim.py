@@ -14,7 +14,9 @@ without using the CPU (a loop of ``usleep`` called through ``ctypes.PyDLL``, whi
 GIL): what an owner whose Python threads hold the GIL (data loading, logging, an RPC handler in
 Python) does to steps that need the GIL, without taking CPU from steps that do not (on this
 2-core machine a CPU-burning thread per owner would measure the CPU share, not the GIL).
-``--busy cpu`` uses a CPU-burning Python loop instead; ``--busy none`` starts nothing (a control:
+``--settle-ms`` waits between the backward pass and the timed step; ``--no-backward`` times
+steps on contexts without gradients (the RPC and TorchScript path alone). ``--busy cpu`` uses a
+CPU-burning Python loop instead; ``--busy none`` starts nothing (a control:
 the busy / quiet ratios it prints are the measurement's noise floor).
 
     python benchmarks/bench_dist_optim.py [--tensors 200] [--numel 4096] [--steps 40]
@@ -127,9 +129,12 @@ def _worker(rank, world, init_file, args, out_file):
                 for name in order:
                     opt, key = setups[name]
                     with dist_autograd.context() as cid:
-                        loss = (rpc.rpc_sync("worker1", _forward, args=(key, x)) +
-                                rpc.rpc_sync("worker2", _forward, args=(key, x)))
-                        dist_autograd.backward(cid, [loss])
+                        if not args.no_backward:
+                            loss = (rpc.rpc_sync("worker1", _forward, args=(key, x)) +
+                                    rpc.rpc_sync("worker2", _forward, args=(key, x)))
+                            dist_autograd.backward(cid, [loss])
+                        if args.settle_ms:
+                            time.sleep(args.settle_ms / 1e3)
                         t0 = time.perf_counter()
                         opt.step(cid)
                         dt = time.perf_counter() - t0
@@ -160,6 +165,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4, help="alternating quiet / busy blocks")
     p.add_argument("--busy", choices=["gil", "cpu", "none"], default="gil",
                    help="none: a control run, nothing busy (the ratios' noise floor)")
+    p.add_argument("--settle-ms", type=float, default=0,
+                   help="wait this long between the backward pass and the timed step")
+    p.add_argument("--no-backward", action="store_true",
+                   help="no forward/backward: steps on empty contexts (the RPC path alone)")
     p.add_argument("--json", help="write the step times there")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
