@@ -392,7 +392,8 @@ RowResult finish(Run& r, const Digits& d, const ProcessGroupPtr& pg, int64_t war
   row.test_acc = counts[0].item<double>() / counts[1].item<double>();
   std::vector<at::Tensor> flat;
   for (const auto& p : r.net->parameters()) flat.push_back(p.detach().reshape(-1));
-  at::Tensor w = at::cat(flat).to(at::kDouble);
+  row.final_weights = at::cat(flat);  // rank 0's float32 weights, compared with Python's
+  at::Tensor w = row.final_weights.to(at::kDouble);
   std::vector<at::Tensor> ref{w.clone()};
   pg->broadcast(ref)->wait();
   at::Tensor spread = (w - ref[0]).abs().max().reshape({1});
@@ -411,7 +412,6 @@ RowResult finish(Run& r, const Digits& d, const ProcessGroupPtr& pg, int64_t war
   if (r.parts.powersgd && row.compression) {
     *row.compression *= std::get<0>(r.parts.powersgd->compression_stats());
   }
-  row.final_weights = at::cat(flat).to(at::kFloat);
   return row;
 }
 

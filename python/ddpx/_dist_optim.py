@@ -74,12 +74,13 @@ def _native_args(optimizer_class: type, args: tuple, kwargs: dict) -> Tuple[Opti
     if native is None:
         return None, {}, f"{optimizer_class.__qualname__} has no C++ form in ddpx"
     kind, names = native
+    signature = inspect.signature(optimizer_class)
     try:
-        bound = inspect.signature(optimizer_class).bind(None, *args, **kwargs)
+        bound = signature.bind(None, *args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"DistributedOptimizer: {optimizer_class.__qualname__}: {exc}") from None
     values = dict(bound.arguments)
-    values.pop(next(iter(inspect.signature(optimizer_class).parameters)))  # params
+    values.pop(next(iter(signature.parameters)))  # params
     out: Dict[str, float] = {}
     for name, value in values.items():
         if name in _IMPLEMENTATION_ONLY:

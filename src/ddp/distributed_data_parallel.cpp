@@ -88,7 +88,9 @@ void DistributedDataParallel::init() {
 
   // The group must take this module's tensors (Python's DDP fails in its first collective with
   // "No backend type associated with device type").
+  std::unordered_set<int> device_types;
   for (const at::Tensor& p : params_) {
+    if (!device_types.insert(static_cast<int>(p.device().type())).second) continue;
     TORCH_CHECK_VALUE(compat::has_backend_for(*pg_, p.device().type()),
                       "DistributedDataParallel: the process group (", compat::backend_name(*pg_),
                       ") has no backend for ", p.device().type(),

@@ -72,9 +72,8 @@ def main() -> int:
     rc, text = run(torchrun(no_python, [args.cpp, "--data", data, "--out", args.work,
                                         "--compare", weights, "--require-identical"]),
                    os.path.join(args.work, "cpp.log"))
-    with open(os.path.join(args.work, "results_cpp.md")) if os.path.exists(
-            os.path.join(args.work, "results_cpp.md")) else open(os.devnull) as f:
-        table = f.read()
+    table_path = os.path.join(args.work, "results_cpp.md")
+    table = open(table_path).read() if os.path.exists(table_path) else ""
     print(table)
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     identical = [r for r in rows if "| identical (" in r]

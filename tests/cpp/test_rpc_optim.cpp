@@ -94,22 +94,24 @@ TEST(RpcLocalOptimizer, Registry) {
 }
 
 // Steps from several threads (several trainers' RPCs) on one optimizer are serialized: with
-// plain SGD, lr 1 and a gradient of ones, every one of the updates lands.
+// plain SGD, lr 1 and a gradient of ones, every one of the updates lands. 1M elements, so that
+// unserialized steps would overlap (a read-modify-write race then loses updates).
 TEST(RpcLocalOptimizer, ConcurrentStepsLoseNoUpdate) {
-  std::vector<at::Tensor> p{at::zeros({1024})};
+  constexpr int64_t kNumel = 1 << 20;
+  std::vector<at::Tensor> p{at::zeros({kNumel})};
   const int64_t id =
       ddpx::optim::register_rpc_local_optimizer(make_rpc_local_optimizer("sgd", p, {{"lr", 1.0}}));
-  constexpr int kThreads = 4, kSteps = 200;
+  constexpr int kThreads = 4, kSteps = 50;
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&] {
       for (int s = 0; s < kSteps; ++s) {
-        ddpx::optim::step_rpc_local_optimizer(id, grads_of(p, {at::ones({1024})}));
+        ddpx::optim::step_rpc_local_optimizer(id, grads_of(p, {at::ones({kNumel})}));
       }
     });
   }
   for (auto& t : threads) t.join();
-  EXPECT_TRUE(at::equal(p[0], at::full({1024}, -static_cast<double>(kThreads * kSteps))));
+  EXPECT_TRUE(at::equal(p[0], at::full({kNumel}, -static_cast<double>(kThreads * kSteps))));
   ddpx::optim::unregister_rpc_local_optimizer(id);
 }
 

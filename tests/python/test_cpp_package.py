@@ -8,13 +8,13 @@ installed C++ package; scripts/test.sh tests the pip-installed package.
 """
 import os
 import shutil
-import socket
 import subprocess
 import textwrap
 
 import pytest
 
 import ddpx
+from dist_utils import free_port
 
 PREFIX = ddpx.cmake_prefix_path
 CONFIG = os.path.join(PREFIX, "lib", "cmake", "ddpx", "ddpxConfig.cmake")
@@ -80,10 +80,7 @@ def test_find_package_from_cmake_prefix_path(tmp_path):
     for cmd in (cfg, ["cmake", "--build", str(build), "--parallel", "2"]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = subprocess.run([str(build / "uses_ddpx"), str(port)], capture_output=True, text=True,
+    done = subprocess.run([str(build / "uses_ddpx"), str(free_port())], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ddpx C++ package: ok" in done.stdout
