@@ -7,19 +7,31 @@ GIL contention on the owners.
 tensors between them (``--numel`` elements each). Each step: a distributed-autograd context, a
 forward RPC to each owner (sum of p * x over its parameters), ``dist_autograd.backward``, then
 ``opt.step(context_id)``, which alone is timed. The optimizers are interleaved step by step
-(rotating which goes first) on the same parameters' copies, in one trainer process.
+(rotating which goes first) on their own copies of the parameters, in one trainer process. The
+"empty RPC" row is the baseline: after the same forward and backward, an RPC of the same shape
+as ddpx's step (a TorchScript function of two ints to each owner, all awaited) that does
+nothing; what it costs, and how it grows, is the RPC transport's, not a step's.
+
+``--forward python`` (default): the owners' forward is a Python function, as in most
+model-parallel code; the graph it builds holds tensors whose Python objects torch frees with
+the owner's GIL after the backward (on TensorPipe's threads among others), so under contention
+the RPC transport itself slows down. ``--forward script``: the same forward in TorchScript (the
+trainer holds an RRef to each owner's parameter list), so that the busy thread is the only
+user of the owners' GIL and the timings show what contention does to the steps alone.
 
 Contention ("busy" rows): each owner runs a Python thread that holds its GIL nearly all the time
 without using the CPU (a loop of ``usleep`` called through ``ctypes.PyDLL``, which keeps the
 GIL): what an owner whose Python threads hold the GIL (data loading, logging, an RPC handler in
 Python) does to steps that need the GIL, without taking CPU from steps that do not (on this
 2-core machine a CPU-burning thread per owner would measure the CPU share, not the GIL).
+``--busy cpu`` uses a CPU-burning Python loop instead; ``--busy none`` starts nothing (a
+control: the busy / quiet ratios it prints are the measurement's noise floor).
 ``--settle-ms`` waits between the backward pass and the timed step; ``--no-backward`` times
-steps on contexts without gradients (the RPC and TorchScript path alone). ``--busy cpu`` uses a
-CPU-burning Python loop instead; ``--busy none`` starts nothing (a control:
-the busy / quiet ratios it prints are the measurement's noise floor).
+steps on contexts without gradients (the RPC and TorchScript path alone); ``--impls`` picks
+the rows.
 
-    python benchmarks/bench_dist_optim.py [--tensors 200] [--numel 4096] [--steps 40]
+    python benchmarks/bench_dist_optim.py [--tensors 200] [--numel 4096] [--steps 60]
+        [--forward python|script] [--busy gil|cpu|none] [--impls ddpx empty ...]
 (ddpx importable: PYTHONPATH=build/python, or a pip install)
 """
 import argparse
@@ -32,14 +44,19 @@ import tempfile
 import threading
 import time
 import warnings
+from typing import List
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+from torch.distributed.rpc import RRef
 
 _PARAMS = {}
 _BUSY = {}
+# --impls names -> the rows' names
+_IMPLS = {"torchscript": "torch TorchScript", "python": "torch Python", "ddpx": "ddpx C++",
+          "empty": "empty RPC (baseline)"}
 
 
 # ---- owner side -----------------------------------------------------------------------------
@@ -55,6 +72,18 @@ def _param_rref(key, i):
 
 def _forward(key, x):
     return sum((p * x).sum() for p in _PARAMS[key])
+
+
+def _params_list_rref(key):
+    return rpc.RRef(_PARAMS[key])
+
+
+def _forward_script(params: RRef[List[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """The same forward as _forward, in TorchScript: no Python on the owner (--forward script)."""
+    out = torch.zeros(())
+    for p in params.local_value():
+        out = out + (p * x).sum()
+    return out
 
 
 def _hold_gil(stop):
@@ -84,6 +113,32 @@ def _busy_stop():
 
 
 # ---- trainer ------------------------------------------------------------------------------
+def _empty_step(owner_id: int, context_id: int) -> None:
+    pass
+
+
+# Compiled on import, so in every worker: an RPC names a TorchScript function by its
+# qualified name, which the owner must have compiled too.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torch 2.x: TorchScript is deprecated
+    _EMPTY_STEP = torch.jit.script(_empty_step)
+    _FORWARD_SCRIPT = torch.jit.script(_forward_script)
+
+
+class _EmptyRpcStep:
+    """The baseline row: what a step costs the trainer with nothing to do on the owners, the
+    RPC of the same shape as ddpx's (a TorchScript function of two ints, to each owner at
+    once, all awaited) after the same forward and backward. Whatever grows here under
+    contention is the RPC transport's, not the step's."""
+
+    def __init__(self, owners):
+        self._owners = owners
+
+    def step(self, context_id):
+        torch.futures.wait_all([rpc.rpc_async(f"worker{o}", _EMPTY_STEP, args=(o, context_id))
+                                for o in self._owners])
+
+
 class _NonScriptedAdam(torch.optim.Adam):
     """torch.optim.Adam under another name: torch's DistributedOptimizer has no TorchScript
     form for it, so it takes its Python path (what any optimizer without one gets)."""
@@ -103,7 +158,9 @@ def _worker(rank, world, init_file, args, out_file):
             "torch TorchScript": (TorchDistributedOptimizer, torch.optim.Adam),
             "torch Python": (TorchDistributedOptimizer, _NonScriptedAdam),
             "ddpx C++": (DistributedOptimizer, torch.optim.Adam),
+            "empty RPC (baseline)": (None, None),
         }
+        impls = {_IMPLS[k]: impls[_IMPLS[k]] for k in _IMPLS if k in args.impls}
         setups = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -118,7 +175,14 @@ def _worker(rank, world, init_file, args, out_file):
                              for i in range(half)]
                 for r in refs:
                     r.to_here()
-                setups[name] = (cls(optim_cls, refs, lr=1e-3), f"m{k}")
+                if args.forward == "script":
+                    fwd = {o: (_FORWARD_SCRIPT, rpc.rpc_sync(f"worker{o}", _params_list_rref,
+                                                               args=(f"m{k}",)))
+                           for o in (1, 2)}
+                else:
+                    fwd = {o: (_forward, f"m{k}") for o in (1, 2)}
+                opt = _EmptyRpcStep((1, 2)) if cls is None else cls(optim_cls, refs, lr=1e-3)
+                setups[name] = (opt, fwd)
         x = torch.rand(args.numel)
         names = list(setups)
         results = {"quiet": {n: [] for n in names}, "busy": {n: [] for n in names}}
@@ -127,11 +191,11 @@ def _worker(rank, world, init_file, args, out_file):
             for step in range(count):
                 order = names[step % len(names):] + names[:step % len(names)]
                 for name in order:
-                    opt, key = setups[name]
+                    opt, fwd = setups[name]
                     with dist_autograd.context() as cid:
                         if not args.no_backward:
-                            loss = (rpc.rpc_sync("worker1", _forward, args=(key, x)) +
-                                    rpc.rpc_sync("worker2", _forward, args=(key, x)))
+                            loss = (rpc.rpc_sync("worker1", fwd[1][0], args=(fwd[1][1], x)) +
+                                    rpc.rpc_sync("worker2", fwd[2][0], args=(fwd[2][1], x)))
                             dist_autograd.backward(cid, [loss])
                         if args.settle_ms:
                             time.sleep(args.settle_ms / 1e3)
@@ -169,6 +233,11 @@ def main() -> int:
                    help="wait this long between the backward pass and the timed step")
     p.add_argument("--no-backward", action="store_true",
                    help="no forward/backward: steps on empty contexts (the RPC path alone)")
+    p.add_argument("--forward", choices=["python", "script"], default="python",
+                   help="the owners' forward: a Python function (its graph is Python-made, and "
+                        "freeing it takes the owner's GIL), or the same in TorchScript")
+    p.add_argument("--impls", nargs="+", choices=list(_IMPLS), default=list(_IMPLS),
+                   help="which implementations to time (default: all three, interleaved step by step)")
     p.add_argument("--json", help="write the step times there")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -183,7 +252,7 @@ def main() -> int:
     med = {mode: {n: statistics.median(v) for n, v in r.items()} for mode, r in results.items()}
     print(f"bench_dist_optim: torch {torch.__version__}, Adam(lr=1e-3), {args.tensors} tensors x "
           f"{args.numel} over 2 owners, 3 TensorPipe workers on loopback, {args.steps} timed "
-          f"steps each (median), busy = {args.busy}")
+          f"steps each (median), busy = {args.busy}, forward = {args.forward}")
     print()
     print("| implementation | step ms, quiet | step ms, owners busy | busy / quiet | "
           "ddpx / this, quiet | ddpx / this, busy |")
@@ -191,8 +260,19 @@ def main() -> int:
     ours = "ddpx C++"
     for name in med["quiet"]:
         q, b = med["quiet"][name], med["busy"][name]
-        print(f"| {name} | {q:.2f} | {b:.2f} | {b / q:.2f}x | "
-              f"{med['quiet'][ours] / q:.2f} | {med['busy'][ours] / b:.2f} |")
+        rel = (f"{med['quiet'][ours] / q:.2f} | {med['busy'][ours] / b:.2f}"
+               if ours in med["quiet"] else "- | -")
+        print(f"| {name} | {q:.2f} | {b:.2f} | {b / q:.2f}x | {rel} |")
+    base = _IMPLS["empty"]
+    if ours in med["quiet"] and base in med["quiet"]:
+        # The step's own cost: each step minus the median empty RPC of the same block.
+        q = med["quiet"][ours] - med["quiet"][base]
+        b = med["busy"][ours] - med["busy"][base]
+        print()
+        print(f"ddpx's step net of the empty RPC: quiet {q:.2f} ms, busy {b:.2f} ms "
+              f"({b / q:.2f}x); the empty RPC itself: {med['quiet'][base]:.2f} -> "
+              f"{med['busy'][base]:.2f} ms; ddpx's whole step grows "
+              f"{med['busy'][ours] / med['quiet'][ours]:.2f}x")
     return 0
 
 
