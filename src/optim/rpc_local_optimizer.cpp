@@ -82,56 +82,36 @@ void RpcLocalOptimizer::step(const c10::Dict<at::Tensor, at::Tensor>& grads) {
 std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(const std::string& kind,
                                                             std::vector<at::Tensor> params,
                                                             const OptimizerArgs& args) {
-  ArgReader read(kind, args);
-  if (kind == "sgd") {
-    SGDOptions o;  // torch.optim.SGD's defaults but lr, which torch requires (1e-3 since 2.x)
-    read("lr", o.lr);
-    read("momentum", o.momentum);
-    read("dampening", o.dampening);
-    read("weight_decay", o.weight_decay);
-    read("nesterov", o.nesterov);
-    read("maximize", o.maximize);
+  // Options start from torch's defaults (SGD: lr 1e-3, torch's own since 2.x; 1.13 requires
+  // it and the Python class always passes it), take `args` field by field and refuse the rest.
+  auto build = [&](auto options, auto make) {
+    ArgReader read(kind, args);
+    options.for_each_field(read);
     read.done();
-    o.validate();
-    return wrap(kind, std::make_shared<FunctionalSGD>(std::move(params), o));
+    options.validate();
+    return wrap(kind, make(std::move(params), options));
+  };
+  if (kind == "sgd") {
+    return build(SGDOptions(), [](std::vector<at::Tensor> p, const SGDOptions& o) {
+      return std::make_shared<FunctionalSGD>(std::move(p), o);
+    });
   }
   if (kind == "adam" || kind == "adamw") {
-    AdamOptions o = kind == "adamw" ? AdamOptions::adamw_defaults() : AdamOptions();
-    read("lr", o.lr);
-    read("beta1", o.beta1);
-    read("beta2", o.beta2);
-    read("eps", o.eps);
-    read("weight_decay", o.weight_decay);
-    read("amsgrad", o.amsgrad);
-    read("maximize", o.maximize);
-    read.done();
-    o.validate();
-    return wrap(kind, std::make_shared<FunctionalAdam>(std::move(params), o, kind == "adamw"));
+    const bool adamw = kind == "adamw";
+    return build(adamw ? AdamOptions::adamw_defaults() : AdamOptions(),
+                 [adamw](std::vector<at::Tensor> p, const AdamOptions& o) {
+                   return std::make_shared<FunctionalAdam>(std::move(p), o, adamw);
+                 });
   }
   if (kind == "adagrad") {
-    AdagradOptions o;
-    read("lr", o.lr);
-    read("lr_decay", o.lr_decay);
-    read("weight_decay", o.weight_decay);
-    read("initial_accumulator_value", o.initial_accumulator_value);
-    read("eps", o.eps);
-    read("maximize", o.maximize);
-    read.done();
-    o.validate();
-    return wrap(kind, std::make_shared<FunctionalAdagrad>(std::move(params), o));
+    return build(AdagradOptions(), [](std::vector<at::Tensor> p, const AdagradOptions& o) {
+      return std::make_shared<FunctionalAdagrad>(std::move(p), o);
+    });
   }
   if (kind == "rmsprop") {
-    RMSpropOptions o;
-    read("lr", o.lr);
-    read("alpha", o.alpha);
-    read("eps", o.eps);
-    read("weight_decay", o.weight_decay);
-    read("momentum", o.momentum);
-    read("centered", o.centered);
-    read("maximize", o.maximize);
-    read.done();
-    o.validate();
-    return wrap(kind, std::make_shared<FunctionalRMSprop>(std::move(params), o));
+    return build(RMSpropOptions(), [](std::vector<at::Tensor> p, const RMSpropOptions& o) {
+      return std::make_shared<FunctionalRMSprop>(std::move(p), o);
+    });
   }
   TORCH_CHECK_VALUE(false, "DistributedOptimizer: no C++ optimizer '", kind,
                     "' (sgd, adam, adamw, adagrad, rmsprop)");

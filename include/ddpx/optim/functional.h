@@ -36,6 +36,12 @@ struct SGDOptions {
   bool nesterov = false;    // needs momentum > 0 and dampening == 0
   bool maximize = false;    // ascend instead of descend
   void validate() const;
+  // Calls f(name, field) for every field, named as torch's constructor argument.
+  template <typename F>
+  void for_each_field(F&& f) {
+    f("lr", lr), f("momentum", momentum), f("dampening", dampening);
+    f("weight_decay", weight_decay), f("nesterov", nesterov), f("maximize", maximize);
+  }
 };
 
 // torch.optim.Adam's / AdamW's hyper-parameters; validate() raises torch's ValueErrors.
@@ -50,6 +56,12 @@ struct AdamOptions {
   // torch.optim.AdamW's defaults: those above with weight_decay = 1e-2.
   static AdamOptions adamw_defaults();
   void validate() const;
+  // f(name, field) for every field; torch's betas as beta1 and beta2.
+  template <typename F>
+  void for_each_field(F&& f) {
+    f("lr", lr), f("beta1", beta1), f("beta2", beta2), f("eps", eps);
+    f("weight_decay", weight_decay), f("amsgrad", amsgrad), f("maximize", maximize);
+  }
 };
 
 // torch.optim.Adagrad's hyper-parameters; validate() raises torch's ValueErrors.
@@ -61,6 +73,12 @@ struct AdagradOptions {
   double eps = 1e-10;                    // >= 0; added to sqrt(sum)
   bool maximize = false;
   void validate() const;
+  template <typename F>
+  void for_each_field(F&& f) {
+    f("lr", lr), f("lr_decay", lr_decay), f("weight_decay", weight_decay);
+    f("initial_accumulator_value", initial_accumulator_value), f("eps", eps);
+    f("maximize", maximize);
+  }
 };
 
 // torch.optim.RMSprop's hyper-parameters; validate() raises torch's ValueErrors.
@@ -73,6 +91,11 @@ struct RMSpropOptions {
   bool centered = false;    // normalise by the variance estimate (keeps grad_avg)
   bool maximize = false;
   void validate() const;
+  template <typename F>
+  void for_each_field(F&& f) {
+    f("lr", lr), f("alpha", alpha), f("eps", eps), f("weight_decay", weight_decay);
+    f("momentum", momentum), f("centered", centered), f("maximize", maximize);
+  }
 };
 
 // One SGD step of every params[i] with grads[i]. momentum_buffers must have params.size()
