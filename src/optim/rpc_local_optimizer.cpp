@@ -1,7 +1,10 @@
 // The owner side of the RPC DistributedOptimizer. See include/ddpx/optim/rpc_local_optimizer.h.
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <ddpx/optim/rpc_local_optimizer.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -68,7 +71,13 @@ RpcLocalOptimizer::RpcLocalOptimizer(std::string kind, std::vector<at::Tensor> p
     : kind_(std::move(kind)),
       params_(std::move(params)),
       step_(std::move(step)),
-      state_(std::move(state)) {}
+      state_(std::move(state)) {
+  for (const at::Tensor& p : params_) {
+    const c10::Device d = p.device();
+    if (d.is_cpu() || std::find(devices_.begin(), devices_.end(), d) != devices_.end()) continue;
+    devices_.push_back(d);
+  }
+}
 
 void RpcLocalOptimizer::step(const c10::Dict<at::Tensor, at::Tensor>& grads) {
   std::vector<at::Tensor> ordered(params_.size());
@@ -77,6 +86,9 @@ void RpcLocalOptimizer::step(const c10::Dict<at::Tensor, at::Tensor>& grads) {
     if (it != grads.end()) ordered[i] = it->value();
   }
   step_(ordered);
+  for (const c10::Device& d : devices_) {
+    c10::impl::getDeviceGuardImpl(d.type())->getStream(d).synchronize();
+  }
 }
 
 std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(const std::string& kind,

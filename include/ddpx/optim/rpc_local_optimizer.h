@@ -11,6 +11,7 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <ddpx/optim/functional.h>
 
 #include <cstdint>
@@ -32,7 +33,10 @@ class RpcLocalOptimizer {
   RpcLocalOptimizer(std::string kind, std::vector<at::Tensor> params, StepFn step, StateFn state);
 
   // One step with the context's gradients: each parameter with an entry in `grads` is updated,
-  // the others are skipped (as torch's functional optimizers skip a None gradient).
+  // the others are skipped (as torch's functional optimizers skip a None gradient). Parameters
+  // on a device (CUDA) are updated on its current stream (the RPC agent's stream for the
+  // request), and the step returns once that stream is done: the owner's next request runs on
+  // another of the agent's streams, with no order to this one, and must see the update.
   void step(const c10::Dict<at::Tensor, at::Tensor>& grads);
   const std::string& kind() const { return kind_; }
   const std::vector<at::Tensor>& params() const { return params_; }
@@ -42,6 +46,7 @@ class RpcLocalOptimizer {
  private:
   std::string kind_;
   std::vector<at::Tensor> params_;
+  std::vector<c10::Device> devices_;  // the parameters' devices other than the CPU, once each
   StepFn step_;
   StateFn state_;
 };
