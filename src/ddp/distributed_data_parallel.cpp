@@ -28,17 +28,28 @@ constexpr int64_t kBroadcastBucketBytes = 250 * 1024 * 1024;
 // Reducer reduces nothing itself in that iteration: it is still learning the graph).
 // The Reducer travels as its address: the DistributedDataParallel that owns it outlives the
 // backward pass it prepared (as Python's _DDPSink holds a weak reference to DDP).
+// What the sink's graph node keeps of the Reducer: a weak reference, so that a graph outliving
+// its DistributedDataParallel (an output kept, backward called after the DDP object is gone)
+// does nothing instead of calling into a freed Reducer.
+struct ReducerRef : torch::CustomClassHolder {
+  explicit ReducerRef(std::weak_ptr<c10d::Reducer> r) : reducer(std::move(r)) {}
+  std::weak_ptr<c10d::Reducer> reducer;
+};
+
 struct DelayAllReduceSink : public torch::autograd::Function<DelayAllReduceSink> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            int64_t reducer) {
+                            const c10::IValue& reducer) {
     ctx->saved_data["reducer"] = reducer;
     return x.clone();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* reducer = reinterpret_cast<c10d::Reducer*>(ctx->saved_data["reducer"].toInt());
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [reducer] { reducer->delay_all_reduce(); });
+    auto ref =
+        c10::static_intrusive_pointer_cast<ReducerRef>(ctx->saved_data["reducer"].toCapsule());
+    if (std::shared_ptr<c10d::Reducer> reducer = ref->reducer.lock()) {
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [reducer] { reducer->delay_all_reduce(); });
+    }
     return {grads[0], at::Tensor()};
   }
 };
@@ -177,7 +188,8 @@ at::Tensor DistributedDataParallel::sink(const at::Tensor& output) {
     return output;
   }
   delay_all_reduce_enqueued_ = true;
-  return DelayAllReduceSink::apply(output, reinterpret_cast<int64_t>(reducer_.get()));
+  return DelayAllReduceSink::apply(
+      output, c10::IValue::make_capsule(c10::make_intrusive<ReducerRef>(reducer_)));
 }
 
 void DistributedDataParallel::check_forward(size_t args) const {

@@ -177,6 +177,32 @@ TEST(DistributedDataParallel, NoSyncAccumulatesLocally) {
   });
 }
 
+// static_graph's first output goes through a sink whose backward tells the Reducer to reduce
+// every bucket; a graph kept past its DistributedDataParallel must not call into the freed
+// Reducer (the sink holds it weakly): the backward runs locally.
+TEST(DistributedDataParallel, StaticGraphOutputOutlivesTheDDP) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto net = make_net(rank);
+    at::Tensor out;
+    {
+      DistributedDataParallel ddp(net, pg, DDPOptions().static_graph(true));
+      out = ddp.forward(input_of(rank, 0));
+    }
+    net->zero_grad();
+    out.pow(2).sum().backward();
+    // The local gradient of the parameters DDP started from (rank 0's, broadcast).
+    auto own = make_net(0);
+    {
+      at::NoGradGuard no_grad;
+      auto ps = own->parameters(), qs = net->parameters();
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(qs[i]);
+    }
+    own->forward(input_of(rank, 0)).pow(2).sum().backward();
+    expect_close(grads_of(net->parameters()), grads_of(own->parameters()), 1e-6,
+                 "backward after the DDP is gone");
+  });
+}
+
 // A module whose forward skips a branch: the unused branch's parameters get no gradient, and
 // the Reducer must not wait for them (find_unused_parameters).
 struct Branchy : torch::nn::Module {
