@@ -23,6 +23,12 @@ constexpr double kDefaultBucketCapMb = 25.0;
 // What Python DDP broadcasts the initial states and buffers in (_sync_module_states).
 constexpr int64_t kBroadcastBucketBytes = 250 * 1024 * 1024;
 
+// Join's counters and flags: one float on the parameters' device, as torch's Join and DDP
+// make them (the ranks' tensors must match: shadowed collectives are the same on every rank).
+at::TensorOptions flag_options(const std::vector<at::Tensor>& params) {
+  return at::TensorOptions(at::kFloat).device(params.front().device());
+}
+
 // Python's _DDPSink for static_graph's first iteration: the identity on the outputs, whose
 // backward queues Reducer::delay_all_reduce to run when the whole backward pass is done (the
 // Reducer reduces nothing itself in that iteration: it is still learning the graph).
@@ -205,12 +211,132 @@ void DistributedDataParallel::check_forward(size_t args) const {
 void DistributedDataParallel::prepare_forward() {
   const bool grad = at::GradMode::is_enabled();
   if (grad && require_backward_grad_sync_) reducer_->prepare_for_forward();
+  if (join_.enabled) {
+    join_.pending.clear();  // last iteration's flags: done, or held by the group until they are
+    // Tells the joined ranks' loop that this rank still trains (Join.notify_join_context); the
+    // sum is the number of ranks still training, which the Reducer divides by unless
+    // divide_by_initial_world_size.
+    auto notify = join_all_reduce(at::ones({1}, flag_options(params_)), c10d::ReduceOp::SUM);
+    if (join_.options.throw_on_early_termination) {
+      auto exhausted = join_all_reduce(at::zeros({1}, flag_options(params_)), c10d::ReduceOp::SUM);
+      exhausted.second->wait();
+      TORCH_CHECK(exhausted.first.item<float>() == 0,
+                  "Detected at least one rank that exhausted inputs. Throwing across all ranks.");
+    }
+    reducer_->set_forward_pass_work_handle(notify.second,
+                                           join_.options.divide_by_initial_world_size);
+  }
   // Once, after the first iteration: buckets in the order gradients actually arrived.
   if (grad) reducer_->rebuild_buckets();
-  if (options_.broadcast_buffers() && require_forward_param_sync_ && !buffers_.empty() &&
-      pg_->getSize() > 1) {
-    sync_buffers();
+  // From rank 0, or under join from the highest rank still training (rank 0 may have joined
+  // with stale buffers).
+  if (will_sync_buffers()) sync_buffers(join_.enabled ? join_common_rank(true) : 0);
+  if (join_.enabled) {
+    // Whether this iteration's backward reduces, for the joined ranks to shadow it or not.
+    at::Tensor sync = require_backward_grad_sync_ ? at::ones({1}, flag_options(params_))
+                                                  : at::zeros({1}, flag_options(params_));
+    join_.pending.push_back(join_all_reduce(sync, c10d::ReduceOp::SUM).second);
   }
+}
+
+bool DistributedDataParallel::will_sync_buffers() const {
+  return options_.broadcast_buffers() && require_forward_param_sync_ && !buffers_.empty() &&
+         pg_->getSize() > 1;
+}
+
+std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> DistributedDataParallel::join_all_reduce(
+    at::Tensor flag, c10d::ReduceOp op) {
+  std::vector<at::Tensor> tensors{flag};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  auto work = pg_->allreduce(tensors, opts);
+  return {std::move(flag), std::move(work)};
+}
+
+int64_t DistributedDataParallel::join_common_rank(bool candidate) {
+  const int64_t rank = candidate ? pg_->getRank() : -1;
+  auto r = join_all_reduce(at::full({1}, rank, flag_options(params_).dtype(at::kLong)),
+                           c10d::ReduceOp::MAX);
+  r.second->wait();
+  const int64_t common = r.first.item<int64_t>();
+  TORCH_CHECK(common >= 0, "DistributedDataParallel.join: no rank qualified as the common rank");
+  return common;
+}
+
+void DistributedDataParallel::join(const std::function<void()>& loop, JoinOptions options) {
+  TORCH_CHECK_VALUE(static_cast<bool>(loop), "DistributedDataParallel.join: empty loop");
+  if (!options.enable) {
+    loop();
+    return;
+  }
+  TORCH_CHECK_VALUE(!join_.enabled, "DistributedDataParallel.join: already inside join()");
+  struct Reset {
+    JoinState& state;
+    ~Reset() { state = JoinState{}; }
+  } reset{join_};
+  join_.enabled = true;
+  join_.options = options;
+  loop();  // an exception leaves at once, as from torch's Join
+  // Shadow the ranks still training, one iteration per loop, until the count is 0.
+  bool last_joiner = true;
+  for (int64_t i = 0;; ++i) {
+    auto count = join_all_reduce(at::zeros({1}, flag_options(params_)), c10d::ReduceOp::SUM);
+    count.second->wait();
+    if (count.first.item<float>() == 0) break;
+    if (options.throw_on_early_termination) {
+      join_all_reduce(at::ones({1}, flag_options(params_)), c10d::ReduceOp::SUM).second->wait();
+      TORCH_CHECK(false, "Rank ", pg_->getRank(), " exhausted all inputs.");
+    }
+    if (i == 1000) {
+      TORCH_WARN("DistributedDataParallel.join: rank ", pg_->getRank(),
+                 " has at least 1000 fewer inputs than other ranks still training; this skew "
+                 "costs the others time.");
+    }
+    join_shadow_iteration();
+    last_joiner = false;
+  }
+  join_sync_final_model(last_joiner);
+}
+
+// Python DDP's _DDPJoinHook.main_hook: the collectives a training rank issues in one
+// iteration, in its order, with zeros for gradients.
+void DistributedDataParallel::join_shadow_iteration() {
+  join_.pending.clear();
+  reducer_->rebuild_buckets();
+  if (will_sync_buffers()) sync_buffers(join_common_rank(false));
+  auto sync = join_all_reduce(at::zeros({1}, flag_options(params_)), c10d::ReduceOp::SUM);
+  sync.second->wait();
+  const bool reduces = sync.first.item<float>() != 0;
+  // The next iteration syncs buffers only after one that reduced, as on the training ranks.
+  require_forward_param_sync_ = reduces;
+  if (!reduces) return;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  for (c10d::GradBucket& bucket : reducer_->get_grad_buckets(/*return_zero_tensors=*/true)) {
+    futures.push_back(reducer_->run_comm_hook(bucket));
+  }
+  for (auto& f : futures) f->wait();
+  if (options_.find_unused_parameters()) {
+    at::Tensor used = reducer_->get_local_used_map_on_device();
+    join_.pending.push_back(join_all_reduce(used, c10d::ReduceOp::SUM).second);
+  }
+  reducer_->push_rebuilt_params_for_all_indices();
+}
+
+// Python DDP's _sync_final_model: the last rank to join (the highest, if several) has trained
+// on every iteration; its parameters (and buffers, with broadcast_buffers) go everywhere.
+void DistributedDataParallel::join_sync_final_model(bool last_joiner) {
+  const int64_t src = join_common_rank(last_joiner);
+  std::vector<at::Tensor> states;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    states.push_back(item.value());
+  }
+  if (options_.broadcast_buffers()) states.insert(states.end(), buffers_.begin(), buffers_.end());
+  comm::BucketOptions bo;
+  bo.bucket_cap_bytes = kBroadcastBucketBytes;
+  bo.caller = "DistributedDataParallel.join";
+  at::NoGradGuard no_grad;
+  comm::run_bucketed(states, pg_, comm::Broadcast(src), bo);
+  for (auto& w : join_.pending) w->wait();
 }
 
 std::vector<at::Tensor> DistributedDataParallel::prepare_backward(
@@ -231,12 +357,12 @@ std::vector<at::Tensor> DistributedDataParallel::prepare_backward(
   return out;
 }
 
-void DistributedDataParallel::sync_buffers() {
+void DistributedDataParallel::sync_buffers(int64_t src) {
   comm::BucketOptions bo;
   bo.bucket_cap_bytes = kBroadcastBucketBytes;
   bo.caller = "DistributedDataParallel (broadcast_buffers)";
   at::NoGradGuard no_grad;
-  comm::run_bucketed(buffers_, pg_, comm::Broadcast(0), bo);
+  comm::run_bucketed(buffers_, pg_, comm::Broadcast(src), bo);
 }
 
 void DistributedDataParallel::register_comm_hook(hooks::CommHookPtr hook) {

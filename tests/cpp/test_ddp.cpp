@@ -25,6 +25,7 @@
 #include <torch/nn/modules/linear.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -201,6 +202,177 @@ TEST(DistributedDataParallel, StaticGraphOutputOutlivesTheDDP) {
     expect_close(grads_of(net->parameters()), grads_of(own->parameters()), 1e-6,
                  "backward after the DDP is gone");
   });
+}
+
+// ---- join (uneven inputs) ------------------------------------------------------------------
+
+// What join() must produce: plain SGD (lr) over the iterations, each averaging the local
+// gradients of the ranks that still have an input (rank r has counts[r]) over the world size
+// (divide_by_initial_world_size) or over those ranks.
+std::vector<at::Tensor> join_reference(const std::vector<int>& counts, bool initial_world,
+                                       double lr) {
+  auto net = make_net(0);
+  const int world = static_cast<int>(counts.size());
+  const int iterations = *std::max_element(counts.begin(), counts.end());
+  for (int i = 0; i < iterations; ++i) {
+    std::vector<int> active;
+    for (int r = 0; r < world; ++r) {
+      if (i < counts[r]) active.push_back(r);
+    }
+    std::vector<at::Tensor> start;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+    std::vector<at::Tensor> sum;
+    for (int r : active) {
+      auto local = make_net(0);
+      {
+        at::NoGradGuard no_grad;
+        auto ps = local->parameters();
+        for (size_t k = 0; k < ps.size(); ++k) ps[k].copy_(start[k]);
+      }
+      local->forward(input_of(r, i)).pow(2).sum().backward();
+      auto ps = local->parameters();
+      for (size_t k = 0; k < ps.size(); ++k) {
+        if (sum.size() <= k) sum.push_back(at::zeros_like(ps[k]));
+        sum[k] += ps[k].grad();
+      }
+    }
+    const double divisor = initial_world ? world : static_cast<double>(active.size());
+    at::NoGradGuard no_grad;
+    auto ps = net->parameters();
+    for (size_t k = 0; k < ps.size(); ++k) ps[k].sub_(sum[k] / divisor * lr);
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void sgd_step(torch::nn::Module& net, double lr) {
+  at::NoGradGuard no_grad;
+  for (auto& p : net.parameters()) {
+    if (p.grad().defined()) p.sub_(p.grad() * lr);
+  }
+}
+
+// Three ranks with 2, 3 and 4 inputs (rank 0 joins first: the final state must come from
+// rank 2) and with 4, 3 and 2 (the last joiner is rank 0), both divisions, two bucket layouts:
+// every rank ends with the reference's parameters.
+TEST(DistributedDataParallel, JoinUnevenInputsMatchesTheReference) {
+  const double lr = 0.05;
+  for (const std::vector<int>& counts : {std::vector<int>{2, 3, 4}, std::vector<int>{4, 3, 2}}) {
+    for (bool initial_world : {true, false}) {
+      for (double cap : {25.0, 0.002}) {
+        const std::string what = "counts " + std::to_string(counts[0]) + "," +
+                                 std::to_string(counts[1]) + "," + std::to_string(counts[2]) +
+                                 (initial_world ? " initial world" : " active ranks") +
+                                 " bucket_cap_mb " + std::to_string(cap);
+        const auto want = join_reference(counts, initial_world, lr);
+        ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+          auto net = make_net(rank);
+          DistributedDataParallel ddp(net, pg, DDPOptions().bucket_cap_mb(cap));
+          ddpx::JoinOptions opts;
+          opts.divide_by_initial_world_size = initial_world;
+          ddp.join(
+              [&] {
+                for (int i = 0; i < counts[rank]; ++i) {
+                  net->zero_grad();
+                  ddp.forward(input_of(rank, i)).pow(2).sum().backward();
+                  sgd_step(*net, lr);
+                }
+              },
+              opts);
+          std::vector<at::Tensor> got;
+          for (const auto& p : net->parameters()) got.push_back(p.detach().clone());
+          expect_close(got, want, 1e-5, what + ", rank " + std::to_string(rank));
+          // Plain again: an even step after join() reduces over all three ranks.
+          net->zero_grad();
+          ddp.forward(input_of(rank, 9)).pow(2).sum().backward();
+        });
+      }
+    }
+  }
+}
+
+// throw_on_early_termination: once rank 0 runs out, every rank raises instead of shadowing.
+TEST(DistributedDataParallel, JoinThrowOnEarlyTermination) {
+  std::vector<std::string> errors(3);
+  ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+    auto net = make_net(rank);
+    DistributedDataParallel ddp(net, pg);
+    ddpx::JoinOptions opts;
+    opts.throw_on_early_termination = true;
+    try {
+      ddp.join(
+          [&] {
+            for (int i = 0; i < 1 + rank; ++i) {
+              ddp.forward(input_of(rank, i)).pow(2).sum().backward();
+            }
+          },
+          opts);
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  EXPECT_NE(errors[0].find("Rank 0 exhausted all inputs"), std::string::npos) << errors[0];
+  for (int r : {1, 2}) {
+    EXPECT_NE(errors[r].find("Detected at least one rank that exhausted inputs"), std::string::npos)
+        << r << ": " << errors[r];
+  }
+}
+
+// A module with a buffer its forward counts in, and a branch it never uses:
+// find_unused_parameters and broadcast_buffers under join.
+struct CountingBranchy : torch::nn::Module {
+  CountingBranchy() {
+    used = register_module("used", torch::nn::Linear(8, 3));
+    unused = register_module("unused", torch::nn::Linear(8, 3));
+    seen = register_buffer("seen", at::zeros({1}));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    {
+      at::NoGradGuard no_grad;
+      seen.add_(1);
+    }
+    return used->forward(x);
+  }
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+  at::Tensor seen;
+};
+
+TEST(DistributedDataParallel, JoinWithUnusedParametersAndBuffers) {
+  for (const std::vector<int>& counts : {std::vector<int>{1, 3, 2}, std::vector<int>{3, 1, 1}}) {
+    std::vector<at::Tensor> finals(3), seen(3);
+    ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+      auto net = std::make_shared<CountingBranchy>();
+      {
+        at::Generator gen = at::detail::createCPUGenerator(7 + rank);
+        at::NoGradGuard no_grad;
+        for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), gen));
+      }
+      DistributedDataParallel ddp(net, pg, DDPOptions().find_unused_parameters(true));
+      ddp.join([&] {
+        for (int i = 0; i < counts[rank]; ++i) {
+          net->zero_grad();
+          ddp.prepare_forward();
+          at::Tensor out = net->forward(input_of(rank, i));
+          out = ddp.prepare_backward({out}).front();
+          out.pow(2).sum().backward();
+          sgd_step(*net, 0.05);
+        }
+      });
+      finals[rank] = at::cat({net->used->weight.flatten(), net->used->bias.flatten(),
+                              net->unused->weight.flatten(), net->unused->bias.flatten()})
+                         .detach()
+                         .clone();
+      seen[rank] = net->seen.clone();
+    });
+    // One model everywhere (the last joiner's), the unused branch as rank 0 built it, and the
+    // forward counter of the rank that ran every iteration.
+    const int most = *std::max_element(counts.begin(), counts.end());
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_TRUE(at::equal(finals[r], finals[0])) << r;
+      EXPECT_EQ(seen[r].item<float>(), most) << r;
+    }
+  }
 }
 
 // A module whose forward skips a branch: the unused branch's parameters get no gradient, and

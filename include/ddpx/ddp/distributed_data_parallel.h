@@ -28,6 +28,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <utility>
 #include <vector>
@@ -69,6 +71,18 @@ class DDPOptions {
 
  private:
   std::optional<double> bucket_cap_mb_;
+};
+
+// torch.distributed.algorithms.Join's arguments, for DistributedDataParallel::join.
+struct JoinOptions {
+  // false: join() just runs the loop (uneven inputs then hang, as without Join).
+  bool enable = true;
+  // true: once any rank runs out of inputs, every rank raises (c10::Error) instead of shadowing.
+  bool throw_on_early_termination = false;
+  // true: gradients are divided by the world size even when ranks have joined (their zeros
+  // count); false: by the number of ranks still training (the default allreduce only: a comm
+  // hook divides as it does, as in torch).
+  bool divide_by_initial_world_size = true;
 };
 
 class DistributedDataParallel {
@@ -150,6 +164,16 @@ class DistributedDataParallel {
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  // Uneven inputs (Python's `with Join([ddp], ...)`, torch.distributed.algorithms.join): runs
+  // `loop`, this rank's training over its own inputs, which may be fewer than another rank's.
+  // Every forward in it tells the other ranks this one is still training; once `loop` returns,
+  // this rank shadows the others' collectives (their buffer broadcasts and gradient
+  // all-reduces, contributing zeros) until every rank has finished, and then every rank takes
+  // the parameters (and buffers, with broadcast_buffers) of the last rank to finish. Every
+  // rank must call it. An exception from `loop` propagates at once, without shadowing (as in
+  // torch). Forwards after it are plain again.
+  void join(const std::function<void()>& loop, JoinOptions options = {});
+
   torch::nn::Module& module() { return *module_; }
   const std::shared_ptr<torch::nn::Module>& module_ptr() const { return module_; }
   // The parameters DDP reduces: the module's with requires_grad, each once, in module order.
@@ -166,7 +190,25 @@ class DistributedDataParallel {
   void check_forward(size_t args) const;
   void check_same_parameters();
   at::Tensor sink(const at::Tensor& output);
-  void sync_buffers();
+  bool will_sync_buffers() const;
+  void sync_buffers(int64_t src);
+  // Join: a one-element tensor on the parameters' device, all-reduced with `op` (its counters
+  // and flags, as torch's Join and DDP issue them).
+  std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> join_all_reduce(at::Tensor flag,
+                                                                        c10d::ReduceOp op);
+  // The highest rank for which `candidate` holds (Python DDP's _find_common_rank).
+  int64_t join_common_rank(bool candidate);
+  void join_shadow_iteration();                  // a joined rank's side of one iteration
+  void join_sync_final_model(bool last_joiner);  // the last joiner's state everywhere
+
+  struct JoinState {
+    bool enabled = false;
+    JoinOptions options;
+    // This iteration's collectives torch does not wait for (the backward-sync flag, the
+    // used-parameter map); a work left behind is kept alive by its group.
+    std::vector<c10::intrusive_ptr<c10d::Work>> pending;
+  };
+  JoinState join_;
 
   torch::nn::AnyModule any_;
   std::function<at::Tensor(const at::Tensor&)> tensor_forward_;
