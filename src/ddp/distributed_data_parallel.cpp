@@ -32,11 +32,9 @@ at::TensorOptions flag_options(const std::vector<at::Tensor>& params) {
 // Python's _DDPSink for static_graph's first iteration: the identity on the outputs, whose
 // backward queues Reducer::delay_all_reduce to run when the whole backward pass is done (the
 // Reducer reduces nothing itself in that iteration: it is still learning the graph).
-// The Reducer travels as its address: the DistributedDataParallel that owns it outlives the
-// backward pass it prepared (as Python's _DDPSink holds a weak reference to DDP).
-// What the sink's graph node keeps of the Reducer: a weak reference, so that a graph outliving
+// The graph node keeps the Reducer weakly (as Python's _DDPSink keeps DDP): a graph outliving
 // its DistributedDataParallel (an output kept, backward called after the DDP object is gone)
-// does nothing instead of calling into a freed Reducer.
+// then backpropagates locally instead of calling into a freed Reducer.
 struct ReducerRef : torch::CustomClassHolder {
   explicit ReducerRef(std::weak_ptr<c10d::Reducer> r) : reducer(std::move(r)) {}
   std::weak_ptr<c10d::Reducer> reducer;
