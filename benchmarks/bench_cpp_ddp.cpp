@@ -85,36 +85,50 @@ void bench(const ddpx::ProcessGroupPtr& pg, const std::string& model, const std:
     o.start_powerSGD_iter = 2;
     ddp->register_comm_hook(ddpx::hooks::powerSGD_hook(
         std::make_shared<ddpx::hooks::PowerSGDState>(pg, o, [](const std::string&) {})));
-  } else if (hook != "allreduce" && hook != "local") {
-    throw std::runtime_error("unknown hook " + hook + " (local, allreduce, fp16, powersgd)");
+  } else if (hook != "allreduce" && hook != "local" && hook != "join") {
+    throw std::runtime_error("unknown hook " + hook + " (local, allreduce, fp16, powersgd, join)");
   }
+  // "join": rank 0 has half the timed steps and joins; the others' second half is timed while
+  // it shadows them (no barrier: a joined rank shadows DDP's collectives only).
+  const bool join = hook == "join";
+  const int64_t half = warmup + steps / 2;
+  const int64_t mine = join && pg->getRank() == 0 ? half : warmup + steps;
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   at::Generator g = at::detail::createCPUGenerator(static_cast<uint64_t>(pg->getRank() + 1));
   at::Tensor x = at::randn({batch, widths.front()}, g);
   at::Tensor y = at::randint(widths.back(), {batch}, g, at::TensorOptions(at::kLong));
   std::vector<double> total, forward, backward, step;
-  for (int64_t i = 0; i < warmup + steps; ++i) {
-    barrier(pg);
-    const auto t0 = Clock::now();
-    sgd.zero_grad();
-    at::Tensor loss =
-        torch::nn::functional::cross_entropy(ddp ? ddp->forward(x) : net->forward(x), y);
-    const auto t1 = Clock::now();
-    loss.backward();
-    const auto t2 = Clock::now();
-    sgd.step();
-    const auto t3 = Clock::now();
-    if (i < warmup) continue;
-    total.push_back(ms(t0, t3));
-    forward.push_back(ms(t0, t1));
-    backward.push_back(ms(t1, t2));
-    step.push_back(ms(t2, t3));
+  auto loop = [&] {
+    for (int64_t i = 0; i < mine; ++i) {
+      if (!join) barrier(pg);
+      const auto t0 = Clock::now();
+      sgd.zero_grad();
+      at::Tensor loss =
+          torch::nn::functional::cross_entropy(ddp ? ddp->forward(x) : net->forward(x), y);
+      const auto t1 = Clock::now();
+      loss.backward();
+      const auto t2 = Clock::now();
+      sgd.step();
+      const auto t3 = Clock::now();
+      if (i < (join ? half : warmup)) continue;
+      total.push_back(ms(t0, t3));
+      forward.push_back(ms(t0, t1));
+      backward.push_back(ms(t1, t2));
+      step.push_back(ms(t2, t3));
+    }
+  };
+  if (join) {
+    ddp->join(loop);
+  } else {
+    loop();
   }
-  at::Tensor med = at::tensor({median(total), median(forward), median(backward), median(step)},
+  auto med_of = [](const std::vector<double>& v) { return v.empty() ? 0.0 : median(v); };
+  at::Tensor med = at::tensor({med_of(total), med_of(forward), med_of(backward), med_of(step)},
                               at::TensorOptions(at::kDouble));
   std::vector<at::Tensor> v{med};
   pg->allreduce(v)->wait();
-  med = v[0] / static_cast<double>(pg->getSize());
+  // join: the ranks that trained on (rank 0 contributes nothing).
+  med = v[0] / static_cast<double>(join ? pg->getSize() - 1 : pg->getSize());
   if (pg->getRank() == 0) {
     std::printf(
         "{\"side\": \"cpp\", \"model\": \"%s\", \"hook\": \"%s\", \"total\": %.6f, "

@@ -8,7 +8,10 @@ hook, optimizer, batch and thread count, 2 Gloo ranks under torchrun, timed per 
 * step: SGD with momentum (torch.optim.SGD vs torch::optim::SGD).
 
 A "local" row trains the module alone (no DDP, no communication) on both sides: the cost of
-the language around the same ATen work. Both sides use the same C++ hook objects (the Python side registers ddpx's hooks natively with
+the language around the same ATen work. A "join" row (not in the default list) times uneven
+inputs: rank 0 stops after half the timed steps and joins (Python's ``Join([ddp])``, C++'s
+``ddp.join(loop)``), and the other ranks' steps of the second half, which the joined rank
+shadows, are timed (no barrier there). Both sides use the same C++ hook objects (the Python side registers ddpx's hooks natively with
 ``ddpx.register_comm_hook``; "allreduce" is DDP's default), so what differs is the Python around
 them: DDP.forward's Python code, nn.Module.__call__, the optimizer's Python loop.
 
@@ -20,6 +23,7 @@ rounds of each job's per-step medians.
 (ddpx importable: PYTHONPATH=build/python, or a pip install)
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,6 +39,7 @@ HERE = os.path.abspath(__file__)
 # ---- the Python worker (one torchrun job) -------------------------------------------------
 def worker(args) -> int:
     import torch.distributed as dist
+    import torch.distributed.algorithms.join  # noqa: F401  (Join, for the "join" rows)
     import torch.nn as nn
 
     import ddpx
@@ -55,13 +60,14 @@ def worker(args) -> int:
             net = nn.Sequential(*layers)
             # "local": the module alone, no DDP and no communication.
             ddp = net if hook == "local" else nn.parallel.DistributedDataParallel(net)
+            join = hook == "join"
             if hook == "fp16":
                 ddpx.register_comm_hook(ddp, None, ddpx.hooks.fp16_compress_hook)
             elif hook == "powersgd":
                 state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                                  start_powerSGD_iter=2)
                 ddpx.register_comm_hook(ddp, state, ddpx.hooks.powerSGD_hook)
-            elif hook not in ("allreduce", "local"):
+            elif hook not in ("allreduce", "local", "join"):
                 raise SystemExit(f"unknown hook {hook}")
             opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
             g = torch.Generator().manual_seed(rank + 1)
@@ -69,25 +75,36 @@ def worker(args) -> int:
             y = torch.randint(widths[-1], (args.batch,), generator=g)
             times = {"total": [], "forward": [], "backward": [], "step": []}
             bar = torch.zeros(1)
-            for i in range(args.warmup + args.steps):
-                dist.all_reduce(bar)  # the same barrier as the C++ side
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(ddp(x), y)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                opt.step()
-                t3 = time.perf_counter()
-                if i < args.warmup:
-                    continue
-                for k, v in (("total", t3 - t0), ("forward", t1 - t0), ("backward", t2 - t1),
-                             ("step", t3 - t2)):
-                    times[k].append(v * 1e3)
-            med = torch.tensor([statistics.median(times[k]) for k in
+            # "join": rank 0 has half the timed steps and joins; the others' second half is
+            # timed while it shadows them (no barrier: a joined rank shadows DDP's collectives
+            # only).
+            half = args.warmup + args.steps // 2
+            mine = half if join and rank == 0 else args.warmup + args.steps
+            ctx = (torch.distributed.algorithms.join.Join([ddp]) if join
+                   else contextlib.nullcontext())
+            with ctx:
+                for i in range(mine):
+                    if not join:
+                        dist.all_reduce(bar)  # the same barrier as the C++ side
+                    t0 = time.perf_counter()
+                    opt.zero_grad()
+                    loss = nn.functional.cross_entropy(ddp(x), y)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    opt.step()
+                    t3 = time.perf_counter()
+                    if i < (half if join else args.warmup):
+                        continue
+                    for k, v in (("total", t3 - t0), ("forward", t1 - t0),
+                                 ("backward", t2 - t1), ("step", t3 - t2)):
+                        times[k].append(v * 1e3)
+            # join: the ranks that trained on (rank 0 contributes nothing).
+            timed = world - 1 if join else world
+            med = torch.tensor([statistics.median(times[k]) if times[k] else 0.0 for k in
                                 ("total", "forward", "backward", "step")], dtype=torch.float64)
             dist.all_reduce(med)
-            med /= world
+            med /= timed
             if rank == 0:
                 print(json.dumps(dict(side="python", model=model, hook=hook,
                                       total=med[0].item(), forward=med[1].item(),
@@ -125,7 +142,9 @@ def main() -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--models", default="64-32-10,64-512-512-10")
     p.add_argument("--hooks", default="local,allreduce,fp16,powersgd",
-                   help="local = the module without DDP (no communication)")
+                   help="local = the module without DDP (no communication); join = the default "
+                        "allreduce with uneven inputs: rank 0 joins after half the timed steps, "
+                        "the other ranks' second half is timed while it shadows them")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--warmup", type=int, default=20)
