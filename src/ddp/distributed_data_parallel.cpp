@@ -23,12 +23,6 @@ constexpr double kDefaultBucketCapMb = 25.0;
 // What Python DDP broadcasts the initial states and buffers in (_sync_module_states).
 constexpr int64_t kBroadcastBucketBytes = 250 * 1024 * 1024;
 
-// Join's counters and flags: one float on the parameters' device, as torch's Join and DDP
-// make them (the ranks' tensors must match: shadowed collectives are the same on every rank).
-at::TensorOptions flag_options(const std::vector<at::Tensor>& params) {
-  return at::TensorOptions(at::kFloat).device(params.front().device());
-}
-
 // Python's _DDPSink for static_graph's first iteration: the identity on the outputs, whose
 // backward queues Reducer::delay_all_reduce to run when the whole backward pass is done (the
 // Reducer reduces nothing itself in that iteration: it is still learning the graph).
@@ -114,18 +108,7 @@ void DistributedDataParallel::init() {
   }
   check_same_parameters();
   // Rank 0's parameters and buffers everywhere (Python's _sync_module_states).
-  {
-    std::vector<at::Tensor> states;
-    for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-      states.push_back(item.value());
-    }
-    states.insert(states.end(), buffers_.begin(), buffers_.end());
-    comm::BucketOptions bo;
-    bo.bucket_cap_bytes = kBroadcastBucketBytes;
-    bo.caller = "DistributedDataParallel";
-    at::NoGradGuard no_grad;
-    comm::run_bucketed(states, pg_, comm::Broadcast(0), bo);
-  }
+  broadcast(module_states(/*with_buffers=*/true), 0, "DistributedDataParallel");
 
   // Buckets by size, as Python DDP assigns them, in reverse (the order gradients arrive).
   const bool default_cap = !options_.bucket_cap_mb().has_value();
@@ -214,26 +197,24 @@ void DistributedDataParallel::prepare_forward() {
     // Tells the joined ranks' loop that this rank still trains (Join.notify_join_context); the
     // sum is the number of ranks still training, which the Reducer divides by unless
     // divide_by_initial_world_size.
-    auto notify = join_all_reduce(at::ones({1}, flag_options(params_)), c10d::ReduceOp::SUM);
+    auto notify = join_all_reduce(join_flag(1));
     if (join_.options.throw_on_early_termination) {
-      auto exhausted = join_all_reduce(at::zeros({1}, flag_options(params_)), c10d::ReduceOp::SUM);
-      exhausted.second->wait();
-      TORCH_CHECK(exhausted.first.item<float>() == 0,
+      TORCH_CHECK(join_sum(0) == 0,
                   "Detected at least one rank that exhausted inputs. Throwing across all ranks.");
     }
-    reducer_->set_forward_pass_work_handle(notify.second,
-                                           join_.options.divide_by_initial_world_size);
+    reducer_->set_forward_pass_work_handle(notify, join_.options.divide_by_initial_world_size);
   }
   // Once, after the first iteration: buckets in the order gradients actually arrived.
   if (grad) reducer_->rebuild_buckets();
   // From rank 0, or under join from the highest rank still training (rank 0 may have joined
   // with stale buffers).
-  if (will_sync_buffers()) sync_buffers(join_.enabled ? join_common_rank(true) : 0);
+  if (will_sync_buffers()) {
+    broadcast(buffers_, join_.enabled ? join_common_rank(true) : 0,
+              "DistributedDataParallel (broadcast_buffers)");
+  }
   if (join_.enabled) {
     // Whether this iteration's backward reduces, for the joined ranks to shadow it or not.
-    at::Tensor sync = require_backward_grad_sync_ ? at::ones({1}, flag_options(params_))
-                                                  : at::zeros({1}, flag_options(params_));
-    join_.pending.push_back(join_all_reduce(sync, c10d::ReduceOp::SUM).second);
+    join_.pending.push_back(join_all_reduce(join_flag(require_backward_grad_sync_ ? 1 : 0)));
   }
 }
 
@@ -242,21 +223,49 @@ bool DistributedDataParallel::will_sync_buffers() const {
          pg_->getSize() > 1;
 }
 
-std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> DistributedDataParallel::join_all_reduce(
-    at::Tensor flag, c10d::ReduceOp op) {
-  std::vector<at::Tensor> tensors{flag};
+// Broadcasts `tensors` from `src` in Python DDP's broadcast buckets.
+void DistributedDataParallel::broadcast(const std::vector<at::Tensor>& tensors, int64_t src,
+                                        const char* caller) {
+  comm::BucketOptions bo;
+  bo.bucket_cap_bytes = kBroadcastBucketBytes;
+  bo.caller = caller;
+  at::NoGradGuard no_grad;
+  comm::run_bucketed(tensors, pg_, comm::Broadcast(src), bo);
+}
+
+// Every parameter (those without requires_grad too), then the buffers: what Python's
+// _sync_module_states broadcasts.
+std::vector<at::Tensor> DistributedDataParallel::module_states(bool with_buffers) const {
+  std::vector<at::Tensor> states;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    states.push_back(item.value());
+  }
+  if (with_buffers) states.insert(states.end(), buffers_.begin(), buffers_.end());
+  return states;
+}
+
+at::Tensor DistributedDataParallel::join_flag(double value) const {
+  return at::full({1}, value, at::TensorOptions(at::kFloat).device(params_.front().device()));
+}
+
+c10::intrusive_ptr<c10d::Work> DistributedDataParallel::join_all_reduce(at::Tensor t,
+                                                                        c10d::ReduceOp op) {
+  std::vector<at::Tensor> tensors{std::move(t)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
-  auto work = pg_->allreduce(tensors, opts);
-  return {std::move(flag), std::move(work)};
+  return pg_->allreduce(tensors, opts);
+}
+
+float DistributedDataParallel::join_sum(double value) {
+  at::Tensor flag = join_flag(value);
+  join_all_reduce(flag)->wait();
+  return flag.item<float>();
 }
 
 int64_t DistributedDataParallel::join_common_rank(bool candidate) {
-  const int64_t rank = candidate ? pg_->getRank() : -1;
-  auto r = join_all_reduce(at::full({1}, rank, flag_options(params_).dtype(at::kLong)),
-                           c10d::ReduceOp::MAX);
-  r.second->wait();
-  const int64_t common = r.first.item<int64_t>();
+  at::Tensor rank = join_flag(candidate ? pg_->getRank() : -1).to(at::kLong);
+  join_all_reduce(rank, c10d::ReduceOp::MAX)->wait();
+  const int64_t common = rank.item<int64_t>();
   TORCH_CHECK(common >= 0, "DistributedDataParallel.join: no rank qualified as the common rank");
   return common;
 }
@@ -278,11 +287,9 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
   // Shadow the ranks still training, one iteration per loop, until the count is 0.
   bool last_joiner = true;
   for (int64_t i = 0;; ++i) {
-    auto count = join_all_reduce(at::zeros({1}, flag_options(params_)), c10d::ReduceOp::SUM);
-    count.second->wait();
-    if (count.first.item<float>() == 0) break;
+    if (join_sum(0) == 0) break;  // no rank still training
     if (options.throw_on_early_termination) {
-      join_all_reduce(at::ones({1}, flag_options(params_)), c10d::ReduceOp::SUM).second->wait();
+      join_sum(1);  // tells the training ranks, whose forward raises
       TORCH_CHECK(false, "Rank ", pg_->getRank(), " exhausted all inputs.");
     }
     if (i == 1000) {
@@ -301,10 +308,10 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
 void DistributedDataParallel::join_shadow_iteration() {
   join_.pending.clear();
   reducer_->rebuild_buckets();
-  if (will_sync_buffers()) sync_buffers(join_common_rank(false));
-  auto sync = join_all_reduce(at::zeros({1}, flag_options(params_)), c10d::ReduceOp::SUM);
-  sync.second->wait();
-  const bool reduces = sync.first.item<float>() != 0;
+  if (will_sync_buffers()) {
+    broadcast(buffers_, join_common_rank(false), "DistributedDataParallel (broadcast_buffers)");
+  }
+  const bool reduces = join_sum(0) != 0;
   // The next iteration syncs buffers only after one that reduced, as on the training ranks.
   require_forward_param_sync_ = reduces;
   if (!reduces) return;
@@ -314,8 +321,7 @@ void DistributedDataParallel::join_shadow_iteration() {
   }
   for (auto& f : futures) f->wait();
   if (options_.find_unused_parameters()) {
-    at::Tensor used = reducer_->get_local_used_map_on_device();
-    join_.pending.push_back(join_all_reduce(used, c10d::ReduceOp::SUM).second);
+    join_.pending.push_back(join_all_reduce(reducer_->get_local_used_map_on_device()));
   }
   reducer_->push_rebuilt_params_for_all_indices();
 }
@@ -323,17 +329,8 @@ void DistributedDataParallel::join_shadow_iteration() {
 // Python DDP's _sync_final_model: the last rank to join (the highest, if several) has trained
 // on every iteration; its parameters (and buffers, with broadcast_buffers) go everywhere.
 void DistributedDataParallel::join_sync_final_model(bool last_joiner) {
-  const int64_t src = join_common_rank(last_joiner);
-  std::vector<at::Tensor> states;
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    states.push_back(item.value());
-  }
-  if (options_.broadcast_buffers()) states.insert(states.end(), buffers_.begin(), buffers_.end());
-  comm::BucketOptions bo;
-  bo.bucket_cap_bytes = kBroadcastBucketBytes;
-  bo.caller = "DistributedDataParallel.join";
-  at::NoGradGuard no_grad;
-  comm::run_bucketed(states, pg_, comm::Broadcast(src), bo);
+  broadcast(module_states(options_.broadcast_buffers()), join_common_rank(last_joiner),
+            "DistributedDataParallel.join");
   for (auto& w : join_.pending) w->wait();
 }
 
@@ -353,14 +350,6 @@ std::vector<at::Tensor> DistributedDataParallel::prepare_backward(
   std::vector<at::Tensor> out;
   for (const at::Tensor& o : outputs) out.push_back(o.defined() ? sink(o) : o);
   return out;
-}
-
-void DistributedDataParallel::sync_buffers(int64_t src) {
-  comm::BucketOptions bo;
-  bo.bucket_cap_bytes = kBroadcastBucketBytes;
-  bo.caller = "DistributedDataParallel (broadcast_buffers)";
-  at::NoGradGuard no_grad;
-  comm::run_bucketed(buffers_, pg_, comm::Broadcast(src), bo);
 }
 
 void DistributedDataParallel::register_comm_hook(hooks::CommHookPtr hook) {

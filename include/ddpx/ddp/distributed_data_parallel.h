@@ -191,11 +191,14 @@ class DistributedDataParallel {
   void check_same_parameters();
   at::Tensor sink(const at::Tensor& output);
   bool will_sync_buffers() const;
-  void sync_buffers(int64_t src);
-  // Join: a one-element tensor on the parameters' device, all-reduced with `op` (its counters
-  // and flags, as torch's Join and DDP issue them).
-  std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> join_all_reduce(at::Tensor flag,
-                                                                        c10d::ReduceOp op);
+  void broadcast(const std::vector<at::Tensor>& tensors, int64_t src, const char* caller);
+  std::vector<at::Tensor> module_states(bool with_buffers) const;
+  // Join's counters and flags: one float on the parameters' device, as torch's Join and DDP
+  // make them (every rank's matching collective takes the same dtype and size).
+  at::Tensor join_flag(double value) const;
+  c10::intrusive_ptr<c10d::Work> join_all_reduce(at::Tensor t,
+                                                 c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  float join_sum(double value);  // all-reduces join_flag(value), waits, returns the sum
   // The highest rank for which `candidate` holds (Python DDP's _find_common_rank).
   int64_t join_common_rank(bool candidate);
   void join_shadow_iteration();                  // a joined rank's side of one iteration
