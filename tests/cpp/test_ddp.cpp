@@ -54,12 +54,20 @@ at::Tensor input_of(int rank, int step) {
   return at::randn({5, 8}, gen) * (1.0 + rank);
 }
 
-// The mean over `world` ranks of the local gradients of a copy of `params` (rank r's input for
-// each listed step, summed over the steps: what DDP gives after those backward passes).
-std::vector<at::Tensor> mean_grads(const std::vector<at::Tensor>& params, int world,
-                                   const std::vector<int>& steps) {
-  std::vector<at::Tensor> mean;
-  for (int r = 0; r < world; ++r) {
+// Copies of a module's parameters, in order.
+std::vector<at::Tensor> params_of(torch::nn::Module& net) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : net.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// The local gradients of a copy of `params` (make_net's layout) for each listed rank, each
+// summed over its inputs of the listed steps, divided by `divisor` and summed over the ranks.
+std::vector<at::Tensor> grads_over(const std::vector<at::Tensor>& params,
+                                   const std::vector<int>& ranks, const std::vector<int>& steps,
+                                   double divisor) {
+  std::vector<at::Tensor> out;
+  for (int r : ranks) {
     auto net = make_net(0);
     {
       at::NoGradGuard no_grad;
@@ -69,11 +77,20 @@ std::vector<at::Tensor> mean_grads(const std::vector<at::Tensor>& params, int wo
     for (int s : steps) net->forward(input_of(r, s)).pow(2).sum().backward();
     auto ps = net->parameters();
     for (size_t i = 0; i < ps.size(); ++i) {
-      if (mean.size() <= i) mean.push_back(at::zeros_like(ps[i]));
-      mean[i] += ps[i].grad() / world;
+      if (out.size() <= i) out.push_back(at::zeros_like(ps[i]));
+      out[i] += ps[i].grad() / divisor;
     }
   }
-  return mean;
+  return out;
+}
+
+// The mean over `world` ranks of the local gradients (what DDP gives after those backward
+// passes).
+std::vector<at::Tensor> mean_grads(const std::vector<at::Tensor>& params, int world,
+                                   const std::vector<int>& steps) {
+  std::vector<int> ranks;
+  for (int r = 0; r < world; ++r) ranks.push_back(r);
+  return grads_over(params, ranks, steps, world);
 }
 
 void expect_close(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
@@ -139,9 +156,7 @@ TEST(DistributedDataParallel, GradientsAreTheMeanOfTheRanksLocalGradients) {
         }
         for (int step = 0; step < 3; ++step) {  // the Reducer rebuilds its buckets after step 0
           for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
-          const auto before = net->parameters();
-          std::vector<at::Tensor> snapshot;
-          for (const auto& p : before) snapshot.push_back(p.detach().clone());
+          const auto snapshot = params_of(*net);
           ddp.forward(input_of(rank, step)).pow(2).sum().backward();
           expect_close(
               grads_of(net->parameters()), mean_grads(snapshot, world, {step}), v.rtol,
@@ -158,8 +173,7 @@ TEST(DistributedDataParallel, NoSyncAccumulatesLocally) {
   ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
     auto net = make_net(rank);
     DistributedDataParallel ddp(net, pg, DDPOptions().bucket_cap_mb(0.002));
-    std::vector<at::Tensor> start;
-    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+    const auto start = params_of(*net);
     {
       auto guard = ddp.no_sync();
       ddp.forward(input_of(rank, 0)).pow(2).sum().backward();
@@ -192,14 +206,7 @@ TEST(DistributedDataParallel, StaticGraphOutputOutlivesTheDDP) {
     net->zero_grad();
     out.pow(2).sum().backward();
     // The local gradient of the parameters DDP started from (rank 0's, broadcast).
-    auto own = make_net(0);
-    {
-      at::NoGradGuard no_grad;
-      auto ps = own->parameters(), qs = net->parameters();
-      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(qs[i]);
-    }
-    own->forward(input_of(rank, 0)).pow(2).sum().backward();
-    expect_close(grads_of(net->parameters()), grads_of(own->parameters()), 1e-6,
+    expect_close(grads_of(net->parameters()), grads_over(params_of(*net), {rank}, {0}, 1), 1e-6,
                  "backward after the DDP is gone");
   });
 }
@@ -219,31 +226,13 @@ std::vector<at::Tensor> join_reference(const std::vector<int>& counts, bool init
     for (int r = 0; r < world; ++r) {
       if (i < counts[r]) active.push_back(r);
     }
-    std::vector<at::Tensor> start;
-    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
-    std::vector<at::Tensor> sum;
-    for (int r : active) {
-      auto local = make_net(0);
-      {
-        at::NoGradGuard no_grad;
-        auto ps = local->parameters();
-        for (size_t k = 0; k < ps.size(); ++k) ps[k].copy_(start[k]);
-      }
-      local->forward(input_of(r, i)).pow(2).sum().backward();
-      auto ps = local->parameters();
-      for (size_t k = 0; k < ps.size(); ++k) {
-        if (sum.size() <= k) sum.push_back(at::zeros_like(ps[k]));
-        sum[k] += ps[k].grad();
-      }
-    }
     const double divisor = initial_world ? world : static_cast<double>(active.size());
+    const auto grads = grads_over(params_of(*net), active, {i}, divisor);
     at::NoGradGuard no_grad;
     auto ps = net->parameters();
-    for (size_t k = 0; k < ps.size(); ++k) ps[k].sub_(sum[k] / divisor * lr);
+    for (size_t k = 0; k < ps.size(); ++k) ps[k].sub_(grads[k] * lr);
   }
-  std::vector<at::Tensor> out;
-  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
-  return out;
+  return params_of(*net);
 }
 
 void sgd_step(torch::nn::Module& net, double lr) {
@@ -280,9 +269,7 @@ TEST(DistributedDataParallel, JoinUnevenInputsMatchesTheReference) {
                 }
               },
               opts);
-          std::vector<at::Tensor> got;
-          for (const auto& p : net->parameters()) got.push_back(p.detach().clone());
-          expect_close(got, want, 1e-5, what + ", rank " + std::to_string(rank));
+          expect_close(params_of(*net), want, 1e-5, what + ", rank " + std::to_string(rank));
           // Plain again: an even step after join() reduces over all three ranks.
           net->zero_grad();
           ddp.forward(input_of(rank, 9)).pow(2).sum().backward();
