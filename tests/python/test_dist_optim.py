@@ -53,17 +53,19 @@ def _run(fn, world_size, *args, timeout=240.0):
 _PARAMS = {}
 
 
-def _make_param(key, seed, shape):
+def _make_param(key, seed, shape, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    _PARAMS[key] = torch.rand(shape, generator=g, requires_grad=True)
+    _PARAMS[key] = torch.rand(shape, generator=g).to(device).requires_grad_(True)
     return _PARAMS[key]
 
 
 def _get_param(key):
-    return _PARAMS[key].detach().clone()
+    """A copy on the CPU."""
+    return _PARAMS[key].detach().to("cpu", copy=True)
 
 
 def _forward(key, x):
+    assert x.device == _PARAMS[key].device, "the activation arrived on another device"
     return torch.mm(_PARAMS[key], x)
 
 
@@ -155,17 +157,21 @@ CONFIGS = [
 STEPS = 20
 
 
-def _train(cls, dist_optim_cls, kwargs, tag):
-    """Two owners (workers 1 and 2) hold a 3x3 weight each; the trainer (worker 0) runs STEPS
-    distributed-autograd steps through them and returns both weights."""
-    r1 = rpc.remote("worker1", _make_param, args=(f"{tag}1", 1, (3, 3)))
-    r2 = rpc.remote("worker2", _make_param, args=(f"{tag}2", 2, (3, 3)))
-    initial = [r1.to_here().detach().clone(), r2.to_here().detach().clone()]
+def _train(cls, dist_optim_cls, kwargs, tag, device="cpu", n=3):
+    """Two owners (workers 1 and 2) hold an n x n weight each on `device`; the trainer (worker
+    0) runs STEPS distributed-autograd steps through them and returns both weights, before and
+    after, on the CPU. (On CUDA every worker needs the device map to the others.)"""
+    r1 = rpc.remote("worker1", _make_param, args=(f"{tag}1", 1, (n, n), device))
+    r2 = rpc.remote("worker2", _make_param, args=(f"{tag}2", 2, (n, n), device))
+    initial = [r1.to_here().detach().to("cpu", copy=True),
+               r2.to_here().detach().to("cpu", copy=True)]
     opt = dist_optim_cls(cls, [r1, r2], **kwargs)
+    if dist_optim_cls is DistributedOptimizer:
+        assert opt.is_native, f"{cls.__name__} fell back to the Python path"
     g = torch.Generator().manual_seed(7)
     for _ in range(STEPS):
         with dist_autograd.context() as cid:
-            x = torch.rand((3, 3), generator=g)
+            x = torch.rand((n, n), generator=g).to(device)
             h = rpc.rpc_sync("worker1", _forward, args=(f"{tag}1", x))
             out = rpc.rpc_sync("worker2", _forward, args=(f"{tag}2", torch.tanh(h)))
             loss = (out - 0.5).pow(2).sum()
