@@ -154,18 +154,19 @@ def _worker(rank, world, init_file, args, out_file):
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     if rank == 0:
         half = args.tensors // 2
-        impls = {
-            "torch TorchScript": (TorchDistributedOptimizer, torch.optim.Adam),
-            "torch Python": (TorchDistributedOptimizer, _NonScriptedAdam),
-            "ddpx C++": (DistributedOptimizer, torch.optim.Adam),
-            "empty RPC (baseline)": (None, None),
+        # --impls name -> (DistributedOptimizer class, optimizer class); None: the empty RPC
+        classes = {
+            "torchscript": (TorchDistributedOptimizer, torch.optim.Adam),
+            "python": (TorchDistributedOptimizer, _NonScriptedAdam),
+            "ddpx": (DistributedOptimizer, torch.optim.Adam),
+            "empty": (None, None),
         }
-        impls = {_IMPLS[k]: impls[_IMPLS[k]] for k in _IMPLS if k in args.impls}
         setups = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for k, name in enumerate(impls):
-                cls, optim_cls = impls[name]
+            for k, impl in enumerate(i for i in _IMPLS if i in args.impls):
+                name = _IMPLS[impl]
+                cls, optim_cls = classes[impl]
                 refs = []
                 for owner in (1, 2):
                     key = f"m{k}"
@@ -175,6 +176,7 @@ def _worker(rank, world, init_file, args, out_file):
                              for i in range(half)]
                 for r in refs:
                     r.to_here()
+                # owner -> (forward function, its first argument)
                 if args.forward == "script":
                     fwd = {o: (_FORWARD_SCRIPT, rpc.rpc_sync(f"worker{o}", _params_list_rref,
                                                                args=(f"m{k}",)))
@@ -194,8 +196,9 @@ def _worker(rank, world, init_file, args, out_file):
                     opt, fwd = setups[name]
                     with dist_autograd.context() as cid:
                         if not args.no_backward:
-                            loss = (rpc.rpc_sync("worker1", fwd[1][0], args=(fwd[1][1], x)) +
-                                    rpc.rpc_sync("worker2", fwd[2][0], args=(fwd[2][1], x)))
+                            (f1, a1), (f2, a2) = fwd[1], fwd[2]
+                            loss = (rpc.rpc_sync("worker1", f1, args=(a1, x)) +
+                                    rpc.rpc_sync("worker2", f2, args=(a2, x)))
                             dist_autograd.backward(cid, [loss])
                         if args.settle_ms:
                             time.sleep(args.settle_ms / 1e3)
@@ -237,7 +240,7 @@ def main() -> int:
                    help="the owners' forward: a Python function (its graph is Python-made, and "
                         "freeing it takes the owner's GIL), or the same in TorchScript")
     p.add_argument("--impls", nargs="+", choices=list(_IMPLS), default=list(_IMPLS),
-                   help="which implementations to time (default: all three, interleaved step by step)")
+                   help="which rows to time (default: all four, interleaved step by step)")
     p.add_argument("--json", help="write the step times there")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -261,7 +264,7 @@ def main() -> int:
     for name in med["quiet"]:
         q, b = med["quiet"][name], med["busy"][name]
         rel = (f"{med['quiet'][ours] / q:.2f} | {med['busy'][ours] / b:.2f}"
-               if ours in med["quiet"] else "- | -")
+               if ours in med["quiet"] and name != _IMPLS["empty"] else "- | -")
         print(f"| {name} | {q:.2f} | {b:.2f} | {b / q:.2f}x | {rel} |")
     base = _IMPLS["empty"]
     if ours in med["quiet"] and base in med["quiet"]:
