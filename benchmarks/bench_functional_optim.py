@@ -8,7 +8,7 @@
   RMSprop torch.optim.RMSprop(momentum=0.9, centered=True)  vs  ddpx._C.FunctionalRMSprop(same)
 
 torch runs twice: its default implementation (foreach=None: the single-tensor loop on CPU) and
-foreach=True. One step of --mparams Mi fp32 parameters split into --tensors tensors. Each
+foreach=True. One step of --mparams Mi fp32 parameters (fractions allowed) split into --tensors tensors. Each
 optimizer first takes one step (so state exists), then the variants run interleaved step by
 step, --reps times; reported: median wall time per step and median CPU time, and torch/ddpx.
 verify(): after the timed steps (same gradients, same number of steps), ddpx's parameters equal
@@ -52,7 +52,7 @@ def make(name: str, params: List[torch.Tensor], impl: str):
 
 
 def run(name: str, args) -> dict:
-    n_total = args.mparams * 2**20
+    n_total = int(args.mparams * 2**20)
     sizes = [n_total // args.tensors] * args.tensors
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(n, generator=g) for n in sizes]
@@ -89,7 +89,7 @@ def run(name: str, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mparams", type=int, default=16, help="Mi fp32 parameters in all")
+    p.add_argument("--mparams", type=float, default=16, help="Mi fp32 parameters in all")
     p.add_argument("--tensors", type=int, default=32)
     p.add_argument("--optims", default="SGD,Adam,AdamW,Adagrad,RMSprop")
     p.add_argument("--reps", type=int, default=11)
