@@ -2,6 +2,7 @@
 #include "comm/exchange.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <map>
@@ -13,8 +14,7 @@ namespace ddpx {
 namespace comm {
 
 using ops::scaled_cast_into;
-using ops::sum_row_list_into;
-using ops::sum_rows_into;
+using ops::sum_rows_with_own_into;
 
 namespace {
 
@@ -60,6 +60,16 @@ class StagingPool {
   int64_t held_ = 0;
 };
 
+// `t` is about to be read on the current stream by work its owners may outlive (a future's
+// callback reading a buffer that is not in the parent future's value, so the future machinery
+// does not record it): tell the caching allocator, so that its memory is not handed out again
+// before that stream is done with it. Nothing to do on CPU.
+void keep_until_current_stream_done(const at::Tensor& t) {
+  if (t.device().is_cpu()) return;
+  const c10::impl::VirtualGuardImpl impl(t.device().type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
@@ -94,65 +104,42 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
   const int64_t n = src.numel();
   const int64_t row_bytes = n * static_cast<int64_t>(c10::elementSize(wire_dtype));
   auto& pool = StagingPool::instance();
-  if (src.device().is_cpu()) {
-    // Peers only: one row of this rank's values per other rank (splits of 0 bytes to and from
-    // itself, so nothing is copied to self), then rank-ordered rows, this rank's own row used in
-    // place: every rank sums the same rows in the same order, so replicas stay identical.
-    const int64_t rank = pg->getRank();
-    const int64_t peers = world - 1;
-    at::Tensor send = pool.acquire(std::max<int64_t>(peers, 1) * row_bytes, src.options());
-    at::Tensor recv = pool.acquire(peers * row_bytes, src.options());
-    at::Tensor send_rows = send.view(wire_dtype).view({std::max<int64_t>(peers, 1), n});
-    scaled_cast_into(src, send_rows[0], pre_scale);
-    for (int64_t r = 1; r < peers; ++r) send_rows[r].copy_(send_rows[0]);
-    auto sum = [send, recv, wire_dtype, out, post_scale, world, rank, n]() {
-      at::Tensor recv_rows = recv.view(wire_dtype).view({world - 1, n});
-      at::Tensor own = send.view(wire_dtype).narrow(0, 0, n);
-      std::vector<at::Tensor> rows;
-      for (int64_t r = 0; r < world; ++r) {
-        rows.push_back(r == rank ? own : recv_rows[r < rank ? r : r - 1]);
-      }
-      sum_row_list_into(rows, out, post_scale);
-      auto& pool = StagingPool::instance();
-      pool.release(send);
-      pool.release(recv);
-      return c10::IValue(out);
-    };
-    if (world == 1) {
-      auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
-      done->markCompleted(sum());
-      return done;
-    }
-    // Two vectors: ProcessGroupGloo moves from its split-size arguments.
-    std::vector<int64_t> out_splits(static_cast<size_t>(world), row_bytes);
-    out_splits[static_cast<size_t>(rank)] = 0;
-    std::vector<int64_t> in_splits = out_splits;
-    auto work = pg->alltoall_base(recv, send, out_splits, in_splits);
-    return work->getFuture()->then(
-        [sum](c10::ivalue::Future& f) {
-          f.value();  // rethrows a failed collective
-          return sum();
-        },
-        c10::TensorType::get());
-  }
-  // Every row of `send` holds this rank's values: an all-to-all of equal splits then hands each
-  // rank every other rank's row, an allgather that, unlike Gloo's allgather, writes straight
-  // into `recv` (no flat staging copy) and takes reusable buffers.
-  at::Tensor send = pool.acquire(world * row_bytes, src.options());
-  at::Tensor recv = pool.acquire(world * row_bytes, src.options());
-  at::Tensor send_rows = send.view(wire_dtype).view({world, n});
+  // Peers only: one row of this rank's values per other rank (splits of 0 bytes to and from
+  // itself, so nothing is copied to self, and Gloo's CUDA path stages no row of its own), then
+  // the rows summed in rank order with this rank's own row used in place: every rank sums the
+  // same rows in the same order, so replicas stay identical.
+  const int64_t rank = pg->getRank();
+  const int64_t peers = world - 1;
+  at::Tensor send = pool.acquire(std::max<int64_t>(peers, 1) * row_bytes, src.options());
+  at::Tensor recv = pool.acquire(peers * row_bytes, src.options());
+  at::Tensor send_rows = send.view(wire_dtype).view({std::max<int64_t>(peers, 1), n});
   scaled_cast_into(src, send_rows[0], pre_scale);
-  for (int64_t r = 1; r < world; ++r) send_rows[r].copy_(send_rows[0]);
-  std::vector<int64_t> out_splits, in_splits;  // empty: equal splits
+  for (int64_t r = 1; r < peers; ++r) send_rows[r].copy_(send_rows[0]);
+  auto sum = [send, recv, wire_dtype, out, post_scale, rank, peers, n]() {
+    // On a device, this runs on the callback's stream; the own row is in `send`, which (unlike
+    // `recv`) is not the collective's value.
+    keep_until_current_stream_done(send);
+    sum_rows_with_own_into(recv.view(wire_dtype).view({peers, n}),
+                           send.view(wire_dtype).narrow(0, 0, n), rank, out, post_scale);
+    auto& pool = StagingPool::instance();
+    pool.release(send);
+    pool.release(recv);
+    return c10::IValue(out);
+  };
+  if (world == 1) {
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    done->markCompleted(sum());
+    return done;
+  }
+  // Two vectors: ProcessGroupGloo moves from its split-size arguments.
+  std::vector<int64_t> out_splits(static_cast<size_t>(world), row_bytes);
+  out_splits[static_cast<size_t>(rank)] = 0;
+  std::vector<int64_t> in_splits = out_splits;
   auto work = pg->alltoall_base(recv, send, out_splits, in_splits);
   return work->getFuture()->then(
-      [send, recv, wire_dtype, out, post_scale, world, n](c10::ivalue::Future& f) {
+      [sum](c10::ivalue::Future& f) {
         f.value();  // rethrows a failed collective: then() does not propagate errors itself
-        sum_rows_into(recv.view(wire_dtype).view({world, n}), out, post_scale);
-        auto& pool = StagingPool::instance();
-        pool.release(send);
-        pool.release(recv);
-        return c10::IValue(out);
+        return sum();
       },
       c10::TensorType::get());
 }

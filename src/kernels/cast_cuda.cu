@@ -3,8 +3,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cast_cuda.h"
 #include "cuda_check.h"
@@ -54,10 +56,12 @@ struct alignas(sizeof(T) * kVec) Vec {
   T v[kVec];
 };
 
-// Consecutive threads touch consecutive vectors, so every warp access is coalesced.
+// dst[i] = store(load(src[i]) * scale). Consecutive threads touch consecutive vectors, so every
+// warp access is coalesced. Inlined into the two kernels below, which differ only in whether
+// src and dst may alias.
 template <typename S, typename D>
-__global__ void scaled_cast_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n,
-                                   double scale, bool vectorised) {
+__device__ __forceinline__ void scaled_cast_body(const S* src, D* dst, int64_t n, double scale,
+                                                 bool vectorised) {
   using A = AccT<S, D>;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -83,28 +87,102 @@ __global__ void scaled_cast_kernel(const S* __restrict__ src, D* __restrict__ ds
 }
 
 template <typename S, typename D>
-__global__ void sum_rows_kernel(const S* __restrict__ src, int64_t rows, int64_t n,
-                                D* __restrict__ dst, double scale) {
+__global__ void scaled_cast_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n,
+                                   double scale, bool vectorised) {
+  scaled_cast_body(src, dst, n, scale, vectorised);
+}
+
+// In place (src == dst, one dtype): without __restrict__, which would promise the compiler that
+// the two never alias (review finding B4). Each element is read, then written, by one thread.
+template <typename T>
+__global__ void scale_in_place_kernel(T* data, int64_t n, double scale, bool vectorised) {
+  scaled_cast_body<T, T>(data, data, n, scale, vectorised);
+}
+
+// The rows of a sum, in order: row r is packed[r] (rows of n elements back to back), except
+// that, with own_row >= 0, row own_row is `own` and the packed rows skip it. This lets the
+// exchange sum this rank's values where they are, with only the peers' rows received.
+template <typename S>
+struct RowSource {
+  const S* packed;
+  const S* own;
+  int64_t own_row;  // -1: every row is packed
+  int64_t n;
+  __device__ const S* row(int64_t r) const {
+    if (r == own_row) return own;
+    return packed + (own_row >= 0 && r > own_row ? r - 1 : r) * n;
+  }
+};
+
+// dst[i] = store(scale * sum_r rows[r][i]), accumulating from row 0 (not +0.0) so that a column
+// of -0.0 sums to -0.0, as on the CPU. Vectorised by kVec when every row and dst are aligned;
+// the per-element arithmetic is the same either way.
+template <typename S, typename D>
+__global__ void sum_rows_kernel(RowSource<S> in, int64_t rows, D* __restrict__ dst, double scale,
+                                bool vectorised) {
   using A = AccT<S, D>;
+  const int64_t n = in.n;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    // Start from row 0 (not +0.0) so that a column of -0.0 sums to -0.0, as on the CPU.
-    A acc = static_cast<A>(Conv<S>::load(src[i]));
-    for (int64_t r = 1; r < rows; ++r) acc += static_cast<A>(Conv<S>::load(src[r * n + i]));
+  int64_t done = 0;
+  if (vectorised) {
+    const int64_t nv = n / kVec;
+    for (int64_t j = tid; j < nv; j += stride) {
+      A acc[kVec];
+      const Vec<S> first = reinterpret_cast<const Vec<S>*>(in.row(0))[j];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) acc[k] = static_cast<A>(Conv<S>::load(first.v[k]));
+      for (int64_t r = 1; r < rows; ++r) {
+        const Vec<S> v = reinterpret_cast<const Vec<S>*>(in.row(r))[j];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) acc[k] += static_cast<A>(Conv<S>::load(v.v[k]));
+      }
+      Vec<D> out;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) out.v[k] = Conv<D>::store(acc[k] * A(scale));
+      reinterpret_cast<Vec<D>*>(dst)[j] = out;
+    }
+    done = nv * kVec;
+  }
+  for (int64_t i = done + tid; i < n; i += stride) {
+    A acc = static_cast<A>(Conv<S>::load(in.row(0)[i]));
+    for (int64_t r = 1; r < rows; ++r) acc += static_cast<A>(Conv<S>::load(in.row(r)[i]));
     dst[i] = Conv<D>::store(acc * A(scale));
   }
 }
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-int grid_for(int64_t work, int threads) {
-  int device = 0, sms = 0;
+constexpr int kThreads = 256;
+constexpr int kMaxDevices = 64;
+
+// Blocks of kThreads that `Kernel` can keep resident on the current device at once (SMs times
+// the occupancy its registers allow), queried once per kernel and device: a grid-stride loop
+// needs no more. Review finding F2: this used to query the device on every launch.
+template <auto Kernel>
+int64_t resident_blocks() {
+  static std::atomic<int64_t> cache[kMaxDevices];  // per kernel and device; 0 = not known yet
+  int device = 0;
   DDPX_CUDA_CHECK(cudaGetDevice(&device));
-  DDPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wanted = (work + threads - 1) / threads;
-  const int64_t cap = static_cast<int64_t>(sms) * 8;  // enough blocks to fill every SM
-  return static_cast<int>(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
+  const bool cached = device >= 0 && device < kMaxDevices;
+  int64_t blocks = cached ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (blocks == 0) {
+    int sms = 0, per_sm = 0;
+    DDPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    DDPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
+    blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+    if (cached) cache[device].store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
+// Grid for `work` items of one thread each: enough blocks to cover them, at most as many as
+// stay resident.
+template <auto Kernel>
+unsigned grid_for(int64_t work) {
+  const int64_t wanted = (work + kThreads - 1) / kThreads;
+  const int64_t cap = resident_blocks<Kernel>();
+  return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
 }
 
 // Calls f with a typed null pointer for `t`: the one dtype switch of this file.
@@ -128,37 +206,55 @@ void dispatch(DType t, F&& f) {
                               std::to_string(static_cast<int>(t)));
 }
 
-constexpr int kThreads = 256;
-
 }  // namespace
 
 void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int64_t n, double scale,
                       cudaStream_t stream) {
   if (n <= 0) return;
+  if (src == dst && src_t != dst_t) {
+    throw std::invalid_argument("ddpx scaled_cast_cuda: src and dst alias with different dtypes");
+  }
   dispatch(src_t, [&](auto* s_tag) {
     using S = std::remove_pointer_t<decltype(s_tag)>;
     dispatch(dst_t, [&](auto* d_tag) {
       using D = std::remove_pointer_t<decltype(d_tag)>;
       const bool vec = aligned(src, sizeof(S) * kVec) && aligned(dst, sizeof(D) * kVec);
-      const int grid = grid_for((n + kVec - 1) / kVec, kThreads);
-      scaled_cast_kernel<S, D><<<grid, kThreads, 0, stream>>>(static_cast<const S*>(src),
-                                                              static_cast<D*>(dst), n, scale, vec);
+      const int64_t work = (n + kVec - 1) / kVec;
+      if (src == dst) {
+        if constexpr (std::is_same<S, D>::value) {
+          scale_in_place_kernel<S>
+              <<<grid_for<scale_in_place_kernel<S>>(work), kThreads, 0, stream>>>(
+                  static_cast<S*>(dst), n, scale, vec);
+        }
+      } else {
+        scaled_cast_kernel<S, D><<<grid_for<scaled_cast_kernel<S, D>>(work), kThreads, 0, stream>>>(
+            static_cast<const S*>(src), static_cast<D*>(dst), n, scale, vec);
+      }
       DDPX_CUDA_CHECK(cudaGetLastError());
     });
   });
 }
 
 void sum_rows_cuda(const void* src, DType src_t, int64_t rows, int64_t n, void* dst, DType dst_t,
-                   double scale, cudaStream_t stream) {
+                   double scale, cudaStream_t stream, const void* own, int64_t own_row) {
   if (rows < 1) throw std::invalid_argument("ddpx sum_rows_cuda: rows must be >= 1");
+  if ((own == nullptr) != (own_row < 0) || own_row >= rows) {
+    throw std::invalid_argument(
+        "ddpx sum_rows_cuda: own and own_row go together, with 0 <= own_row < rows");
+  }
   if (n <= 0) return;
   dispatch(src_t, [&](auto* s_tag) {
     using S = std::remove_pointer_t<decltype(s_tag)>;
     dispatch(dst_t, [&](auto* d_tag) {
       using D = std::remove_pointer_t<decltype(d_tag)>;
-      const int grid = grid_for(n, kThreads);
-      sum_rows_kernel<S, D><<<grid, kThreads, 0, stream>>>(static_cast<const S*>(src), rows, n,
-                                                           static_cast<D*>(dst), scale);
+      const RowSource<S> in{static_cast<const S*>(src), static_cast<const S*>(own), own_row, n};
+      // Every row starts aligned when the packed rows' start does and n is a multiple of kVec.
+      const bool vec = n % kVec == 0 && aligned(src, sizeof(S) * kVec) &&
+                       (own == nullptr || aligned(own, sizeof(S) * kVec)) &&
+                       aligned(dst, sizeof(D) * kVec);
+      sum_rows_kernel<S, D>
+          <<<grid_for<sum_rows_kernel<S, D>>(vec ? n / kVec : n), kThreads, 0, stream>>>(
+              in, rows, static_cast<D*>(dst), scale, vec);
       DDPX_CUDA_CHECK(cudaGetLastError());
     });
   });

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <vector>
+
 #include "ops/cuda_launch.h"
 
 #ifdef DDPX_WITH_CUDA
@@ -63,6 +65,14 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
   const auto st = to_kernel_dtype(src.scalar_type(), "source tensor");
   const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
   if (src.numel() == 0) return;
+  // In place is one dtype over the same elements; any other overlap would read values already
+  // overwritten (and break the CUDA kernel's no-alias promise, review finding B4).
+  const char* s = static_cast<const char*>(src.data_ptr());
+  const char* d = static_cast<const char*>(dst.data_ptr());
+  TORCH_CHECK(s == d ? src.scalar_type() == dst.scalar_type()
+                     : s + src.nbytes() <= d || d + dst.nbytes() <= s,
+              "ddpx::ops::scaled_cast_into: src and dst overlap; only an exact in-place cast "
+              "(same memory, same dtype) is supported");
   if (src.is_cuda()) {
 #ifdef DDPX_WITH_CUDA
     const CudaLaunch launch(src);
@@ -95,22 +105,35 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
   kernels::sum_rows_cpu(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt, scale);
 }
 
-void sum_row_list_into(const std::vector<at::Tensor>& rows, const at::Tensor& dst, double scale) {
-  TORCH_CHECK(!rows.empty(), "ddpx::ops::sum_row_list_into: no rows");
-  std::vector<const void*> ptrs;
-  ptrs.reserve(rows.size());
-  for (const at::Tensor& r : rows) {
-    check_pair(r, dst, "ddpx::ops::sum_row_list_into");
-    TORCH_CHECK(r.device().is_cpu(), "ddpx::ops::sum_row_list_into: CPU tensors only, got ",
-                r.device());
-    TORCH_CHECK(r.numel() == dst.numel() && r.scalar_type() == rows[0].scalar_type(),
-                "ddpx::ops::sum_row_list_into: rows must match dst in size and share one dtype");
-    ptrs.push_back(r.data_ptr());
-  }
-  const auto st = to_kernel_dtype(rows[0].scalar_type(), "source tensor");
+void sum_rows_with_own_into(const at::Tensor& peers, const at::Tensor& own, int64_t own_row,
+                            const at::Tensor& dst, double scale) {
+  const char* op = "ddpx::ops::sum_rows_with_own_into";
+  check_pair(peers, dst, op);
+  check_pair(own, dst, op);
+  TORCH_CHECK(peers.dim() == 2 && peers.size(1) == dst.numel() && own.numel() == dst.numel(), op,
+              ": peers must be [rows - 1, n] and own [n] with n = dst.numel(), got ", peers.sizes(),
+              " and ", own.sizes(), " for ", dst.numel());
+  TORCH_CHECK(peers.scalar_type() == own.scalar_type(), op, ": peers and own must share a dtype");
+  const int64_t rows = peers.size(0) + 1;
+  TORCH_CHECK(own_row >= 0 && own_row < rows, op, ": own_row ", own_row, " is not in [0, ", rows,
+              ")");
+  const auto st = to_kernel_dtype(own.scalar_type(), "source tensor");
   const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
-  kernels::sum_row_ptrs_cpu(ptrs.data(), st, static_cast<int64_t>(rows.size()), dst.numel(),
-                            dst.data_ptr(), dt, scale);
+  if (dst.numel() == 0) return;
+  if (own.is_cuda()) {
+#ifdef DDPX_WITH_CUDA
+    const CudaLaunch launch(own);
+    kernels::sum_rows_cuda(peers.data_ptr(), st, rows, dst.numel(), dst.data_ptr(), dt, scale,
+                           launch.stream(), own.data_ptr(), own_row);
+#endif
+    return;
+  }
+  std::vector<const void*> ptrs;
+  ptrs.reserve(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    ptrs.push_back(r == own_row ? own.data_ptr() : peers[r < own_row ? r : r - 1].data_ptr());
+  }
+  kernels::sum_row_ptrs_cpu(ptrs.data(), st, rows, dst.numel(), dst.data_ptr(), dt, scale);
 }
 
 }  // namespace ops

@@ -217,6 +217,78 @@ TEST_P(SumRowsCuda, MatchesCpuBitForBit) {
   DDPX_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
+// The exchange's peers-only form: this rank's row `own` sits apart, the other rows are packed
+// without it. Must equal sum_row_ptrs_cpu over the rows in rank order, bit for bit, wherever
+// the own row falls, vectorised (aligned, n % 4 == 0) or not.
+TEST_P(SumRowsCuda, OwnRowApartMatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const int64_t count = n();
+  const size_t row_bytes = static_cast<size_t>(count) * esize(src_t());
+  cudaStream_t stream;
+  DDPX_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int64_t rows : {1, 2, 3, 5}) {
+    const auto all = random_host(src_t(), rows * count, seed() * 37 + rows, /*negative_zero=*/true);
+    for (int64_t own_row : {int64_t{0}, rows / 2, rows - 1}) {
+      std::vector<const void*> ptrs;
+      std::vector<unsigned char> packed;
+      for (int64_t r = 0; r < rows; ++r) {
+        const unsigned char* row = all.data() + r * row_bytes;
+        ptrs.push_back(row);
+        if (r != own_row) packed.insert(packed.end(), row, row + row_bytes);
+      }
+      std::vector<unsigned char> cpu(count * esize(dst_t())), gpu(cpu.size());
+      k::sum_row_ptrs_cpu(ptrs.data(), src_t(), rows, count, cpu.data(), dst_t(), 1.0 / 3.0);
+      DeviceBuffer d_packed(packed.size() + esize(src_t())), d_own(row_bytes + esize(src_t()));
+      DeviceBuffer d_dst(cpu.size() + esize(dst_t()));
+      ASSERT_TRUE(d_packed.ptr && d_own.ptr && d_dst.ptr);
+      for (int off : {0, 1}) {
+        char* p = static_cast<char*>(d_packed.ptr) + off * esize(src_t());
+        char* o = static_cast<char*>(d_own.ptr) + off * esize(src_t());
+        char* d = static_cast<char*>(d_dst.ptr) + off * esize(dst_t());
+        DDPX_ASSERT_CUDA(
+            cudaMemcpyAsync(p, packed.data(), packed.size(), cudaMemcpyHostToDevice, stream));
+        DDPX_ASSERT_CUDA(cudaMemcpyAsync(o, all.data() + own_row * row_bytes, row_bytes,
+                                         cudaMemcpyHostToDevice, stream));
+        k::sum_rows_cuda(p, src_t(), rows, count, d, dst_t(), 1.0 / 3.0, stream, o, own_row);
+        DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream));
+        DDPX_ASSERT_CUDA(cudaMemcpy(gpu.data(), d, gpu.size(), cudaMemcpyDeviceToHost));
+        expect_bitwise(gpu, cpu, dst_t(), count,
+                       std::string("sum_rows own row ") + k::dtype_name(src_t()) + "->" +
+                           k::dtype_name(dst_t()) + " n=" + std::to_string(count) +
+                           " rows=" + std::to_string(rows) + " own_row=" + std::to_string(own_row) +
+                           " offset " + std::to_string(off));
+      }
+    }
+  }
+  DDPX_ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+// In place (src == dst, one dtype) takes a kernel without __restrict__ (review finding B4); it
+// must give what the CPU kernel gives in place, aligned or not.
+TEST_P(ScaledCastCuda, InPlaceMatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  if (src_t() != dst_t()) GTEST_SKIP() << "in place needs one dtype";
+  const int64_t count = n();
+  const auto src = random_host(src_t(), count, seed() * 13, /*negative_zero=*/true);
+  DeviceBuffer d_buf((count + 1) * esize(src_t()));
+  ASSERT_TRUE(d_buf.ptr);
+  cudaStream_t stream;
+  DDPX_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int off : {0, 1}) {
+    char* b = static_cast<char*>(d_buf.ptr) + off * esize(src_t());
+    std::vector<unsigned char> cpu = src, gpu(src.size());
+    k::scaled_cast_cpu(cpu.data(), src_t(), cpu.data(), src_t(), count, -0.375);
+    DDPX_ASSERT_CUDA(cudaMemcpyAsync(b, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
+    k::scaled_cast_cuda(b, src_t(), b, src_t(), count, -0.375, stream);
+    DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    DDPX_ASSERT_CUDA(cudaMemcpy(gpu.data(), b, gpu.size(), cudaMemcpyDeviceToHost));
+    expect_bitwise(gpu, cpu, src_t(), count,
+                   std::string("in-place scaled_cast ") + k::dtype_name(src_t()) +
+                       " n=" + std::to_string(count) + " offset " + std::to_string(off));
+  }
+  DDPX_ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
 const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
 const int64_t kSizes[] = {1, 7, 2047, 2048, 2049, 100003, (int64_t{1} << 20) + 3};
 
@@ -254,6 +326,16 @@ TEST(CudaKernelApi, EmptyAndBadArguments) {
   EXPECT_THROW(
       k::scaled_cast_cuda(d.ptr, static_cast<DType>(9), d.ptr, DType::kFloat32, 4, 1.0f, nullptr),
       std::invalid_argument);
+  // In place with two dtypes, and an own row without its index (or out of range).
+  EXPECT_THROW(
+      k::scaled_cast_cuda(d.ptr, DType::kFloat32, d.ptr, DType::kFloat16, 4, 1.0f, nullptr),
+      std::invalid_argument);
+  EXPECT_THROW(k::sum_rows_cuda(d.ptr, DType::kFloat32, 2, 4, d.ptr, DType::kFloat32, 1.0f, nullptr,
+                                d.ptr, -1),
+               std::invalid_argument);
+  EXPECT_THROW(k::sum_rows_cuda(d.ptr, DType::kFloat32, 2, 4, d.ptr, DType::kFloat32, 1.0f, nullptr,
+                                d.ptr, 2),
+               std::invalid_argument);
 }
 
 // ---- functional optimizers: the CUDA kernels run optim_inl.h's element functions, as the CPU
