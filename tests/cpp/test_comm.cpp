@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <ddpx/comm/bucketed.h>
+#include <ddpx/comm/exchange_mode.h>
 #include <ddpx/common/compat.h>
 #include <ddpx/hooks.h>
 #include <gmock/gmock.h>
@@ -190,6 +191,34 @@ TEST(Reducer, MadeByTheCompatFactoryAveragesGradientsWithAHook) {
     ASSERT_TRUE(ddp_grad[r].defined()) << "rank " << r;
     EXPECT_TRUE(bitwise_equal(ddp_grad[r], mean)) << "rank " << r;
   }
+}
+
+// A torch 2.x group of several backends: the exchange rule asks the backend of the tensors'
+// device, not the group's default (review finding P4). Here the default says "nccl" while CPU
+// and CUDA tensors go to Gloo, so 16-bit CUDA values must take the gather (Gloo's 16-bit sums
+// are slow and, in 1.13, refused); asking the default would have sent them to Gloo's allreduce.
+TEST(ExchangeMode, AsksTheBackendOfTheTensorsDevice) {
+#if !DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  GTEST_SKIP() << "a torch 1.13 group is one backend";
+#else
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  ProcessGroupPtr pg = ddpx_test::make_gloo_group(store, 0, 1);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  ASSERT_EQ(ddpx::compat::backend_name(*pg), "nccl");
+  EXPECT_EQ(ddpx::compat::backend_name(*pg, c10::DeviceType::CPU), "gloo");
+  EXPECT_EQ(ddpx::compat::backend_name(*pg, c10::DeviceType::CUDA), "gloo");
+  const c10::Device gpu(c10::DeviceType::CUDA, 0);
+  EXPECT_FALSE(ddpx::comm::backend_sums_natively(*pg, at::kHalf, gpu));
+  EXPECT_EQ(
+      ddpx::comm::resolve_exchange_mode(ddpx::comm::ExchangeMode::kAuto, *pg, at::kBFloat16, gpu),
+      ddpx::comm::ExchangeMode::kAllgather);
+  EXPECT_TRUE(ddpx::comm::backend_sums_natively(*pg, at::kFloat, gpu));
+  // A device type the group has no backend for falls back to the default's name.
+  auto cpu_only = ddpx::compat::process_group_of(pg->getBackend(c10::DeviceType::CPU), store, 0, 1,
+                                                 {c10::DeviceType::CPU});
+  cpu_only->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  EXPECT_EQ(ddpx::compat::backend_name(*cpu_only, c10::DeviceType::CUDA), "nccl");
+#endif
 }
 
 }  // namespace

@@ -11,12 +11,14 @@ namespace ddpx {
 namespace comm {
 
 // Whether `pg`'s backend should sum values of `dtype` on `device` itself. False for 16-bit
-// values (fp16, bf16) on CPU or on a Gloo group: Gloo sums fp16 element by element in scalar
-// code, and wrongly (gloo/types.h's float16::operator= skips an assignment when the new bits
-// equal the old bits read as an integer: 43712 + (-0.0530396) gives -0.0530396), and torch
-// 1.13's Gloo refuses bf16. Where it is false, ddpx sums 16-bit values itself in fp32: the hooks
-// gather them (ExchangeMode::kAllgather), parameter averaging reduces them as fp32. Every place
-// that decides how 16-bit values travel asks this function (there is no second copy of the rule).
+// values (fp16, bf16) on CPU or where the group's backend for `device` is Gloo (in torch 2.x a
+// group may map CPU and CUDA to different backends; its default's name is not asked): Gloo sums
+// fp16 element by element in scalar code, and wrongly (gloo/types.h's float16::operator= skips an
+// assignment when the new bits equal the old bits read as an integer: 43712 + (-0.0530396) gives
+// -0.0530396), and torch 1.13's Gloo refuses bf16. Where it is false, ddpx sums 16-bit values
+// itself in fp32: the hooks gather them (ExchangeMode::kAllgather), parameter averaging reduces
+// them as fp32. Every place that decides how 16-bit values travel asks this function (there is no
+// second copy of the rule).
 bool backend_sums_natively(const c10d::ProcessGroup& pg, at::ScalarType dtype,
                            const c10::Device& device);
 
@@ -27,8 +29,9 @@ enum class ExchangeMode {
   // The backend's allreduce in the values' own dtype. Fast on NCCL; see backend_sums_natively()
   // for why not on Gloo.
   kAllreduce = 1,
-  // Gather every rank's raw 16-bit values (an equal-split all-to-all of this rank's values, into
-  // reused buffers), then sum the world_size rows locally in fp32 with vectorised code. Sends
+  // Gather every rank's raw 16-bit values (an all-to-all of this rank's values to its peers, into
+  // reused buffers), then sum the world_size rows locally in fp32 in rank order, this rank's own
+  // row read where it is, with vectorised code. Sends
   // (world_size - 1) * numel * 2 bytes per rank: no more than an fp32 ring allreduce
   // (2 * (world_size - 1) / world_size * numel * 4) up to 4 ranks, half of it on 2 ranks; and no
   // 16-bit rounding of partial sums.

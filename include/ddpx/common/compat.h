@@ -146,6 +146,24 @@ inline bool has_backend_for(c10d::ProcessGroup& pg, c10::DeviceType type) {
 #endif
 }
 
+// Name of the backend `pg` runs collectives on `type` tensors with: in torch 2.x the one mapped to
+// that device type, which in a group of several (init_process_group("cpu:gloo,cuda:nccl")) need
+// not be the default (review finding P4); the default when none is mapped; in 1.13 the group's.
+inline std::string backend_name(const c10d::ProcessGroup& pg, c10::DeviceType type) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  try {
+    // getBackend is a lookup that caches what it finds (not const in torch's header).
+    if (auto backend = const_cast<c10d::ProcessGroup&>(pg).getBackend(type)) {
+      return backend->getBackendName();
+    }
+  } catch (const c10::Error&) {
+  }
+#else
+  (void)type;
+#endif
+  return pg.getBackendName();
+}
+
 #ifdef USE_C10D_GLOO
 // A Gloo process group for `rank` of `size` over `store` (construction is a rendezvous: every
 // rank must construct its group concurrently). Ranks that are threads of one process should call
