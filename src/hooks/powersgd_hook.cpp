@@ -124,6 +124,51 @@ void claim_error_views(PowerSGDMemory& mem, BucketLayout& L, int64_t numel,
   }
 }
 
+// Merges the uncompressed gradients into runs and, with two runs or more, lists their elements'
+// bucket positions (see BucketLayout::uncompressed_runs).
+void index_uncompressed(BucketLayout& L) {
+  for (size_t i : L.uncompressed) {
+    auto& runs = L.uncompressed_runs;
+    if (!runs.empty() && runs.back().first + runs.back().second == L.offsets[i]) {
+      runs.back().second += L.numels[i];
+    } else {
+      runs.emplace_back(L.offsets[i], L.numels[i]);
+    }
+  }
+  if (L.uncompressed_runs.size() < 2) return;
+  std::vector<int64_t> index;
+  index.reserve(static_cast<size_t>(L.uncompressed_numel));
+  for (const auto& run : L.uncompressed_runs) {
+    for (int64_t k = 0; k < run.second; ++k) index.push_back(run.first + k);
+  }
+  L.uncompressed_index = at::tensor(index, at::kLong).to(L.device);
+}
+
+// The uncompressed gradients of `work` into `head` (packed runs), or back when `unpack`.
+void copy_uncompressed(const BucketLayout& L, const at::Tensor& work, at::Tensor head,
+                       bool unpack) {
+  if (L.uncompressed_index.defined() && !unpack) {
+    at::index_select_out(head, work, 0, L.uncompressed_index);
+    return;
+  }
+  // index_copy_ is one launch on a GPU, but on CPU slower than copying a few long runs.
+  if (L.uncompressed_index.defined() && !L.device.is_cpu()) {
+    work.index_copy_(0, L.uncompressed_index, head);
+    return;
+  }
+  int64_t pos = 0;
+  for (const auto& run : L.uncompressed_runs) {
+    at::Tensor in_work = work.narrow(0, run.first, run.second);
+    at::Tensor in_head = head.narrow(0, pos, run.second);
+    if (unpack) {
+      in_work.copy_(in_head);
+    } else {
+      in_head.copy_(in_work);
+    }
+    pos += run.second;
+  }
+}
+
 std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
                                                      const c10d::GradBucket& bucket,
                                                      const std::vector<int64_t>& keys,
@@ -158,6 +203,7 @@ std::shared_ptr<BucketLayout> build_layerwise_layout(PowerSGDState& st,
       L->numel_after += uncompressed;
     }
   }
+  index_uncompressed(*L);
   std::vector<int64_t> p_rows, q_rows, ranks;  // Ps and Qs back to back, in comp's order
   for (const auto& sg : shape_groups) {
     const size_t begin = L->comp.size();
@@ -379,10 +425,8 @@ std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::Grad
     for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
       lowrank_project_(m, q, p);
     });
-    int64_t pos = 0;
-    for (size_t i : L.uncompressed) {
-      L.round_one.narrow(0, pos, L.numels[i]).copy_(job->work.narrow(0, L.offsets[i], L.numels[i]));
-      pos += L.numels[i];
+    if (L.uncompressed_numel > 0) {
+      copy_uncompressed(L, job->work, L.round_one.narrow(0, 0, L.uncompressed_numel), false);
     }
   }
   // P (and the uncompressed values) travel in the bucket's dtype.
@@ -423,11 +467,7 @@ void start_round_two(const ProcessGroupPtr& pg, const std::shared_ptr<PowerSGDJo
   if (L.uncompressed_numel > 0) {
     at::Tensor unc = L.round_one.narrow(0, 0, L.uncompressed_numel);
     unc.div_(job->world);
-    int64_t pos = 0;
-    for (size_t i : L.uncompressed) {
-      job->work.narrow(0, L.offsets[i], L.numels[i]).copy_(unc.narrow(0, pos, L.numels[i]));
-      pos += L.numels[i];
-    }
+    copy_uncompressed(L, job->work, unc, true);
   }
   if (!job->batched && L.comp.empty()) {
     finish(*job);

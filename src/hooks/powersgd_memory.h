@@ -35,9 +35,16 @@ struct CompMatrix {
 
 // Everything about one bucket that does not change from step to step.
 struct BucketLayout {
-  std::vector<int64_t> keys;                      // parameter keys, bucket order
-  std::vector<int64_t> offsets, numels;           // each gradient inside the bucket buffer
-  std::vector<size_t> uncompressed;               // gradients allreduced as they are
+  std::vector<int64_t> keys;             // parameter keys, bucket order
+  std::vector<int64_t> offsets, numels;  // each gradient inside the bucket buffer
+  std::vector<size_t> uncompressed;      // gradients allreduced as they are
+  // The uncompressed gradients as runs of the bucket, adjacent ones merged: (offset, numel),
+  // packed in this order at the head of round_one. With two runs or more, `uncompressed_index`
+  // (int64, on the layout's device) lists the bucket positions of their elements, so that
+  // packing is one gather and, on a GPU, unpacking one scatter (review F2: two copies per
+  // tensor were dozens of launches per step for transformer buckets of biases and norms).
+  std::vector<std::pair<int64_t, int64_t>> uncompressed_runs;
+  at::Tensor uncompressed_index;
   std::vector<CompMatrix> comp;                   // compressed gradients, torch's order (by shape)
   std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) of same-shaped runs in comp
   int64_t uncompressed_numel = 0, total_p = 0, total_q = 0;

@@ -26,6 +26,7 @@ MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
     TORCH_CHECK(offsets_[k] >= 0 && rows_[k] >= 0 && cols_[k] >= 0, "MatrixPack: matrix ", k,
                 " has a negative offset or size");
     extent_ = std::max(extent_, offsets_[k] + rows_[k] * cols_[k]);
+    begin_ = k == 0 ? offsets_[k] : std::min(begin_, offsets_[k]);
   }
   if (device.is_cuda() && !offsets_.empty()) {
     std::vector<int64_t> all(offsets_);
@@ -58,9 +59,14 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
   TORCH_CHECK(pack.extent() <= flat.numel(), "orthogonalize_: the matrices extend to element ",
               pack.extent(), " but the buffer has ", flat.numel());
   if (flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16) {
-    at::Tensor wide = flat.to(at::kFloat);
+    // In fp32, converting only the matrices' region (review F2: the whole buffer, uncompressed
+    // values included, went through fp32 on every call). Elements of the region between
+    // matrices round-trip exactly; those outside it are neither read nor written.
+    const int64_t begin = pack.begin(), length = pack.extent() - pack.begin();
+    at::Tensor wide = at::empty({pack.extent()}, flat.options().dtype(at::kFloat));
+    wide.narrow(0, begin, length).copy_(flat.narrow(0, begin, length));
     orthogonalize_(wide, pack, epsilon);
-    flat.copy_(wide);
+    flat.narrow(0, begin, length).copy_(wide.narrow(0, begin, length));
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "orthogonalize_", [&] {

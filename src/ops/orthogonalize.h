@@ -27,12 +27,15 @@ class MatrixPack {
   const std::vector<int64_t>& cols() const { return cols_; }
   // One past the last element any matrix covers: the buffer must have at least this many.
   int64_t extent() const { return extent_; }
+  // The first element any matrix covers (0 for an empty pack): [begin(), extent()) is the region
+  // orthogonalize_ reads and writes.
+  int64_t begin() const { return begin_; }
   // [3, count] int64 on the device: offsets, rows, cols (CUDA only; undefined on CPU).
   const at::Tensor& device_descriptors() const { return device_desc_; }
 
  private:
   std::vector<int64_t> offsets_, rows_, cols_;
-  int64_t extent_ = 0;
+  int64_t extent_ = 0, begin_ = 0;
   at::Tensor device_desc_;
 };
 

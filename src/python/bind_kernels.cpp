@@ -38,14 +38,16 @@ void bind_kernels(py::module& m) {
   m.def(
       "orthogonalize_",
       [](const at::Tensor& flat, const std::vector<int64_t>& rows, const std::vector<int64_t>& cols,
-         double epsilon) {
+         double epsilon, int64_t first) {
         py::gil_scoped_release no_gil;
-        ops::orthogonalize_(flat, ops::MatrixPack::back_to_back(rows, cols, flat.device()),
+        ops::orthogonalize_(flat, ops::MatrixPack::back_to_back(rows, cols, flat.device(), first),
                             epsilon);
       },
       py::arg("flat"), py::arg("rows"), py::arg("cols"), py::arg("epsilon") = 0.0,
+      py::arg("first") = 0,
       "Orthonormalises in place the columns of the row-major rows[k] x cols[k] matrices stored "
-      "back to back in `flat` (PowerSGD's batched Gram-Schmidt kernel; CPU or CUDA).");
+      "back to back in `flat` from element `first` (PowerSGD's batched Gram-Schmidt kernel; CPU "
+      "or CUDA).");
   m.def("cpu_has_fast_half", &kernels::cpu_has_fast_half, "True when the CPU kernels use F16C.");
 }
 

@@ -190,6 +190,14 @@ def test_cuda_orthogonalize_matches_cpu_up_to_rank_32(dtype):
         assert (a.T @ a - torch.eye(r, dtype=torch.float64)).abs().max() <= tol * r, (n, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_orthogonalize_16bit_touches_only_the_matrices(dtype):
+    """PowerSGD on CUDA computes in the bucket's dtype: a 16-bit P region (behind the uncompressed
+    values) goes through fp32 alone, and rounds to what the fp32 kernel gives."""
+    import test_kernels as tk
+    tk.check_orthogonalize_16bit_region(dtype, "cuda")
+
+
 # ---- functional optimizers ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

@@ -212,6 +212,29 @@ def test_orthogonalize_matches_qr_up_to_rank_32(dtype):
         assert (q - qr_positive(m)).abs().max() <= tol * cond * r, (n, r)
 
 
+def check_orthogonalize_16bit_region(dtype, device):
+    """16-bit buffers are orthogonalised in fp32, converting only the matrices' region (PowerSGD
+    keeps its uncompressed values in front of its Ps): the values before and after it stay bit
+    for bit, and the matrices equal the fp32 kernel's result on the same values, rounded."""
+    _, matrices = gs_inputs(torch.float32)
+    head, tail = 37, 5
+    flat = torch.cat([torch.randn(head), matrices, torch.randn(tail)]).to(dtype).to(device)
+    before = flat.clone()
+    wide = flat[head:head + matrices.numel()].float()
+    rows, cols = [n for n, _ in GS_SHAPES], [r for _, r in GS_SHAPES]
+    C.orthogonalize_(wide, rows, cols, 0.0)
+    C.orthogonalize_(flat, rows, cols, 0.0, first=head)
+    bits = lambda t: t.cpu().view(torch.int16)  # noqa: E731
+    assert torch.equal(bits(flat[:head]), bits(before[:head]))
+    assert torch.equal(bits(flat[-tail:]), bits(before[-tail:]))
+    assert torch.equal(bits(flat[head:-tail]), bits(wide.to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_orthogonalize_16bit_touches_only_the_matrices(dtype):
+    check_orthogonalize_16bit_region(dtype, "cpu")
+
+
 def test_orthogonalize_argument_errors():
     """Checked before any kernel runs (on a GPU an out-of-bounds write would poison the context);
     the buffer is left as it was."""
