@@ -4,6 +4,9 @@
   compress   ddpx._C.scaled_cast(x, dt, 1/W)   vs  x.to(dt).div_(W)      (torch's fp16/bf16 hook)
   sum_rows   ddpx._C.sum_rows(g16, float32)     vs  g16.float().sum(0)    (Gloo-side fp32 sum)
   decompress ddpx._C.scaled_cast(h, float32)    vs  torch.empty(n).copy_(h)  (torch's hook epilogue)
+  orthogonalize  ddpx._C.orthogonalize_(flat, rows, cols)  vs  torch's PowerSGD _orthogonalize
+             (batched QR above rank 2, its Python Gram-Schmidt at ranks 1-2), in place, on the
+             P shapes of --gs-shapes (review finding F1: PowerSGD at rank 32 below torch's QR)
 
 Bandwidth is "useful" bytes / time for both sides: the bytes one fused pass must read and write
 (compress: 4n read + 2n written; sum_rows: 2*rows*n read + 4n written; decompress: 2n + 4n),
@@ -142,6 +145,8 @@ def run(args) -> dict:
                 print_row(row, cuda)
             del g16, h, out32
         del x
+    if "orthogonalize" in args.ops:
+        rows.extend(run_orthogonalize(args, dev, timer, inner))
     info = {
         "device": str(dev),
         "device_name": torch.cuda.get_device_name() if cuda else (platform.processor()
@@ -151,6 +156,37 @@ def run(args) -> dict:
         "reps": args.reps, "inner": inner,
     }
     return {"info": info, "rows": rows}
+
+
+def run_orthogonalize(args, dev, timer, inner) -> List[dict]:
+    """PowerSGD's orthogonalisation of `count` n x r matrices (one bucket's Ps), in place."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    print("\n| orthogonalize | matrices | torch ms | ddpx ms | torch/ddpx |")
+    print("|---|---:|---:|---:|---:|")
+    for shape in args.gs_shapes:
+        n, r, count = (int(v) for v in shape.split("x"))
+        batch = torch.randn(count, n, r, generator=gen).to(dev)
+        flat = batch.reshape(-1).clone()
+        rows_, cols_ = [n] * count, [r] * count
+        # The same orthonormal basis on both sides (up to column signs, which QR leaves open).
+        want, got = batch.clone(), flat.clone()
+        _orthogonalize(want)
+        ddpx._C.orthogonalize_(got, rows_, cols_)
+        got = got.view(count, n, r)
+        diff = (want.abs() - got.abs()).abs().max().item()
+        assert diff < 1e-3, f"{shape}: ddpx and torch differ by {diff}"
+        t = timer({"torch": lambda: _orthogonalize(batch),
+                   "ddpx": lambda: ddpx._C.orthogonalize_(flat, rows_, cols_)}, args.reps, inner)
+        row = {"op": "orthogonalize", "shape": shape, "n": n, "rank": r, "count": count,
+               "torch_ms": t["torch"] * 1e3, "ddpx_ms": t["ddpx"] * 1e3,
+               "ratio": t["torch"] / t["ddpx"]}
+        out.append(row)
+        print(f"| {n} x {r} | {count} | {row['torch_ms']:.3f} | {row['ddpx_ms']:.3f} | "
+              f"{row['ratio']:.2f} |")
+        sys.stdout.flush()
+    return out
 
 
 _header_done = False
@@ -184,7 +220,9 @@ def main(argv=None) -> int:
     p = bc.arg_parser(__doc__)
     p.add_argument("--sizes", default="1,2,4,8,16,32", help="Mi elements (2**20), comma-separated")
     p.add_argument("--dtypes", default="fp16,bf16")
-    p.add_argument("--ops", default="compress,sum_rows,decompress")
+    p.add_argument("--ops", default="compress,sum_rows,decompress,orthogonalize")
+    p.add_argument("--gs-shapes", default="4096x32x1,4096x4x1,4096x1x1,1024x32x16,256x32x64",
+                   help="orthogonalize: n x rank x matrices, comma-separated")
     p.add_argument("--world", type=int, default=2, help="W: the 1/W scale and the rows summed")
     p.add_argument("--reps", type=int, default=None, help="default 7 (cpu) / 20 (cuda)")
     p.add_argument("--inner", type=int, default=20, help="launches per CUDA-event timing")
@@ -195,6 +233,7 @@ def main(argv=None) -> int:
     args.sizes = [float(s) for s in args.sizes.split(",")]
     args.dtypes = args.dtypes.split(",")
     args.ops = args.ops.split(",")
+    args.gs_shapes = args.gs_shapes.split(",")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: torch.cuda.is_available() is False")

@@ -3,13 +3,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
 #include "cast_cuda.h"
 #include "cuda_check.h"
+#include "cuda_occupancy.h"
 
 namespace ddpx {
 namespace kernels {
@@ -154,34 +154,14 @@ __global__ void sum_rows_kernel(RowSource<S> in, int64_t rows, D* __restrict__ d
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 constexpr int kThreads = 256;
-constexpr int kMaxDevices = 64;
-
-// Blocks of kThreads that `Kernel` can keep resident on the current device at once (SMs times
-// the occupancy its registers allow), queried once per kernel and device: a grid-stride loop
-// needs no more. Review finding F2: this used to query the device on every launch.
-template <auto Kernel>
-int64_t resident_blocks() {
-  static std::atomic<int64_t> cache[kMaxDevices];  // per kernel and device; 0 = not known yet
-  int device = 0;
-  DDPX_CUDA_CHECK(cudaGetDevice(&device));
-  const bool cached = device >= 0 && device < kMaxDevices;
-  int64_t blocks = cached ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (blocks == 0) {
-    int sms = 0, per_sm = 0;
-    DDPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    DDPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
-    blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-    if (cached) cache[device].store(blocks, std::memory_order_relaxed);
-  }
-  return blocks;
-}
 
 // Grid for `work` items of one thread each: enough blocks to cover them, at most as many as
 // stay resident.
 template <auto Kernel>
 unsigned grid_for(int64_t work) {
   const int64_t wanted = (work + kThreads - 1) / kThreads;
-  const int64_t cap = resident_blocks<Kernel>();
+  int64_t cap = resident_blocks<Kernel, kThreads>();
+  if (cap < 1) cap = 1;
   return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
 }
 

@@ -1,8 +1,15 @@
-// Batched Gram-Schmidt on CUDA: one block per matrix, column by column, block-wide reductions in
-// double through shared memory (a step's dot products reduced together, 16 at a time).
-// PowerSGD's matrices are tall and thin (rank 1-32), so one block per matrix keeps every
-// reduction on-chip and the whole batch in one launch.
+// Batched Gram-Schmidt on CUDA, two ways (both one launch for the whole batch):
+//  * one block per matrix, column by column, block-wide reductions in double through shared
+//    memory (a step's dot products reduced together, 16 at a time): for many matrices, or small
+//    ones, where the batch fills the GPU;
+//  * several blocks per matrix (a "tall" plan), one row per thread held in registers, the blocks
+//    of a matrix combining their sums through global memory between grid-wide barriers of a
+//    cooperative launch: for a few tall matrices (PowerSGD's P of a large layer, one matrix per
+//    bucket), which one block would walk through alone, on one SM (review finding F1).
+#include <cooperative_groups.h>
+
 #include "cuda_check.h"
+#include "cuda_occupancy.h"
 #include "orthogonalize_cuda.h"
 
 namespace ddpx {
@@ -104,24 +111,204 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
   }
 }
 
+// ---- the tall plan --------------------------------------------------------------------------
+
+constexpr int kTallThreads = 128;                // rows per block: one per thread
+constexpr int kTallValues = kGsTallMaxCols + 1;  // a step's squared norm, then one dot per column
+
+// Block `b` of a tall launch works on matrix `k`, whose blocks are `first` .. first + blocks - 1
+// (the matrices' blocks back to back, ceil(rows / kTallThreads) each).
+__device__ void tall_block_of(const int64_t* rows, int64_t count, int64_t b, int64_t& k,
+                              int64_t& first, int64_t& blocks) {
+  first = 0;
+  for (k = 0; k < count; ++k) {
+    blocks = (rows[k] + kTallThreads - 1) / kTallThreads;
+    if (b < first + blocks) return;
+    first += blocks;
+  }
+}
+
+// Block-wide sums, over the block's rows, of this step's products: value 0 is mi * mi, value t
+// (t in [lo, hi), lo >= 1) is mi * row[t - 1], each in double, each reduced the same way (warp
+// shuffles, then the warps' sums through shared memory in warp order). The products are formed
+// as they are reduced, so no array of them occupies registers. The bounds must be the same on
+// every thread of the block. Totals land in tot[] at the same indices, valid until the next call.
+template <typename T>
+__device__ void block_sums_tall(T mi, const T (&row)[kGsTallMaxCols], int lo, int hi, double* red,
+                                double* tot) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kWarps = kTallThreads / 32;
+#pragma unroll
+  for (int t = 0; t < kTallValues; ++t) {
+    if (t == 0 || (t >= lo && t < hi)) {  // uniform over the block: shuffles stay convergent
+      double v = double(mi) * (t == 0 ? mi : row[t == 0 ? 0 : t - 1]);
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+      if (lane == 0) red[t * kWarps + warp] = v;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kTallValues) {
+    const int t = threadIdx.x;
+    if (t == 0 || (t >= lo && t < hi)) {
+      double v = red[t * kWarps];
+      for (int w = 1; w < kWarps; ++w) v += red[t * kWarps + w];
+      tot[t] = v;
+    }
+  }
+  __syncthreads();
+}
+
+// Modified Gram-Schmidt with each step's squared norm and dot products taken in one sweep:
+// step i sums |m_i|^2 and <m_i, m_c> (c > i) over the rows, then normalises column i as the
+// one-block kernel does (q_i = m_i / (|m_i| + eps), in double for a tiny column, zeros for a zero
+// column with eps 0) and takes <q_i, m_c> = <m_i, m_c> / (|m_i| + eps) off each later column.
+// Each thread keeps one row in registers (at most kGsTallMaxCols values, indexed by unrolled
+// loops only, so they stay in registers); the blocks of a matrix write their sums to `scratch`,
+// meet at a grid-wide barrier (one per step, the scratch alternating between two halves), and
+// every block then adds its matrix's sums in block order: the same totals in every block.
+// Every block runs passes x max_cols steps, idling through those its matrix does not have, since
+// a grid barrier needs the whole grid.
+template <typename T>
+__global__ void __launch_bounds__(kTallThreads)
+    gram_schmidt_tall_kernel(T* data, const int64_t* offsets, const int64_t* rows,
+                             const int64_t* cols, int64_t count, double eps0, double* scratch,
+                             int64_t max_cols, int passes) {
+  __shared__ double red[kTallValues * (kTallThreads / 32)];
+  __shared__ double tot[kTallValues];
+  cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  int64_t k = 0, first = 0, blocks = 0;
+  tall_block_of(rows, count, blockIdx.x, k, first, blocks);
+  const int64_t n = rows[k];
+  const int r = static_cast<int>(cols[k]);
+  const int64_t j = (static_cast<int64_t>(blockIdx.x) - first) * kTallThreads + threadIdx.x;
+  const bool mine = j < n;  // threads past the last row hold zeros and write nothing
+  T* my_row = data + offsets[k] + j * r;
+  T row[kGsTallMaxCols];
+#pragma unroll
+  for (int c = 0; c < kGsTallMaxCols; ++c) row[c] = mine && c < r ? my_row[c] : T(0);
+  const int64_t stride = gridDim.x * static_cast<int64_t>(kTallValues);
+  int64_t step = 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    const double eps = pass == 0 ? eps0 : 0.0;  // above rank 2, a second pass with epsilon 0
+    const bool pass_active = pass == 0 || r > 2;
+    for (int i = 0; i < max_cols; ++i, ++step) {
+      const bool active = pass_active && i < r;  // the same for the whole block
+      double* half = scratch + (step % 2) * stride;
+      T mi = T(0);
+#pragma unroll
+      for (int c = 0; c < kGsTallMaxCols; ++c) {
+        if (c == i) mi = row[c];
+      }
+      if (active) {
+        block_sums_tall(mi, row, i + 2, r + 1, red, tot);
+        if (threadIdx.x < kTallValues) {
+          const int t = threadIdx.x;
+          if (t == 0 || (t >= i + 2 && t < r + 1)) {
+            half[blockIdx.x * static_cast<int64_t>(kTallValues) + t] = tot[t];
+          }
+        }
+      }
+      grid.sync();  // every block's sums of this step are in `half`
+      if (!active) continue;
+      if (threadIdx.x < kTallValues) {
+        const int t = threadIdx.x;
+        if (t == 0 || (t >= i + 2 && t < r + 1)) {
+          double v = 0.0;
+          for (int64_t b = first; b < first + blocks; ++b) {
+            v += half[b * static_cast<int64_t>(kTallValues) + t];
+          }
+          tot[t] = v;
+        }
+      }
+      __syncthreads();
+      const double norm = sqrt(tot[0]);
+      const bool zero = norm == 0.0 && eps == 0.0;
+      const double denom = norm + eps;
+      const T inv = zero ? T(0) : T(1.0 / denom);
+      // A tiny column: 1/norm overflows T (see orthogonalize_cpu.cpp); divide in double.
+      const T q = isfinite(inv) ? T(mi * inv) : T(double(mi) / denom);
+#pragma unroll
+      for (int c = 0; c < kGsTallMaxCols; ++c) {
+        if (c == i) row[c] = q;
+        if (c > i && c < r) row[c] -= T(zero ? 0.0 : tot[1 + c] / denom) * q;
+      }
+      __syncthreads();  // tot[] is rewritten by the next step
+    }
+  }
+  if (mine) {
+#pragma unroll
+    for (int c = 0; c < kGsTallMaxCols; ++c) {
+      if (c < r) my_row[c] = row[c];
+    }
+  }
+}
+
 template <typename T>
 void launch_gs(T* data, const int64_t* offsets, const int64_t* rows, const int64_t* cols,
-               int64_t count, double eps, cudaStream_t stream) {
+               int64_t count, double eps, cudaStream_t stream, const GsPlan& plan,
+               double* scratch) {
   if (count <= 0) return;
+  if (plan.tall_blocks > 0 && scratch != nullptr) {
+    int passes = plan.passes;
+    int64_t max_cols = plan.max_cols;
+    void* args[] = {&data, &offsets, &rows, &cols, &count, &eps, &scratch, &max_cols, &passes};
+    const cudaError_t err = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(&gram_schmidt_tall_kernel<T>),
+        dim3(static_cast<unsigned>(plan.tall_blocks)), dim3(kTallThreads), args, 0, stream);
+    if (err == cudaSuccess) return;
+    // The plan no longer fits (another device current, say): one block per matrix instead.
+    if (err != cudaErrorCooperativeLaunchTooLarge) DDPX_CUDA_CHECK(err);
+    (void)cudaGetLastError();
+  }
   gram_schmidt_kernel<T>
       <<<static_cast<unsigned>(count), kThreads, 0, stream>>>(data, offsets, rows, cols, eps);
   DDPX_CUDA_CHECK(cudaGetLastError());
 }
 
+template <typename T>
+GsPlan plan_for(const int64_t* rows, const int64_t* cols, int64_t count, int64_t min_rows) {
+  GsPlan plan;
+  int64_t blocks = 0, longest = 0, widest = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    if (cols[k] > kGsTallMaxCols) return plan;
+    blocks += (rows[k] + kTallThreads - 1) / kTallThreads;
+    longest = rows[k] > longest ? rows[k] : longest;
+    widest = cols[k] > widest ? cols[k] : widest;
+  }
+  if (count == 0 || longest < min_rows || widest == 0) return plan;
+  int device = 0, cooperative = 0;
+  DDPX_CUDA_CHECK(cudaGetDevice(&device));
+  DDPX_CUDA_CHECK(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
+  if (!cooperative || blocks > resident_blocks<gram_schmidt_tall_kernel<T>, kTallThreads>()) {
+    return plan;
+  }
+  plan.tall_blocks = blocks;
+  plan.max_cols = widest;
+  plan.passes = widest > 2 ? 2 : 1;
+  return plan;
+}
+
 }  // namespace
 
+GsPlan plan_orthogonalize_cuda(const int64_t* rows, const int64_t* cols, int64_t count,
+                               bool is_double, int64_t min_rows) {
+  return is_double ? plan_for<double>(rows, cols, count, min_rows)
+                   : plan_for<float>(rows, cols, count, min_rows);
+}
+
+int64_t orthogonalize_cuda_scratch(const GsPlan& plan) {
+  return plan.tall_blocks > 0 ? 2 * plan.tall_blocks * kTallValues : 0;
+}
+
 void orthogonalize_cuda(float* data, const int64_t* offsets, const int64_t* rows,
-                        const int64_t* cols, int64_t count, float epsilon, cudaStream_t stream) {
-  launch_gs(data, offsets, rows, cols, count, epsilon, stream);
+                        const int64_t* cols, int64_t count, float epsilon, cudaStream_t stream,
+                        const GsPlan& plan, double* scratch) {
+  launch_gs(data, offsets, rows, cols, count, epsilon, stream, plan, scratch);
 }
 void orthogonalize_cuda(double* data, const int64_t* offsets, const int64_t* rows,
-                        const int64_t* cols, int64_t count, double epsilon, cudaStream_t stream) {
-  launch_gs(data, offsets, rows, cols, count, epsilon, stream);
+                        const int64_t* cols, int64_t count, double epsilon, cudaStream_t stream,
+                        const GsPlan& plan, double* scratch) {
+  launch_gs(data, offsets, rows, cols, count, epsilon, stream, plan, scratch);
 }
 }  // namespace kernels
 }  // namespace ddpx

@@ -1,5 +1,6 @@
-// CUDA batched Gram-Schmidt: same contract as kernels/orthogonalize.h, one launch for
-// all matrices (one thread block per matrix). `offsets`, `rows`, `cols` are DEVICE arrays.
+// CUDA batched Gram-Schmidt: same contract as kernels/orthogonalize.h, one launch for all
+// matrices. `offsets`, `rows`, `cols` are DEVICE arrays; a plan is made from HOST copies of rows
+// and cols (see orthogonalize_cuda.cu for the two ways a launch is spread).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,10 +10,35 @@
 namespace ddpx {
 namespace kernels {
 
+// The multi-block ("tall") way takes matrices of at most this many columns...
+constexpr int kGsTallMaxCols = 32;
+// ...when one of them has at least this many rows.
+constexpr int64_t kGsTallMinRows = 1024;
+
+// How a launch spreads its matrices over thread blocks.
+struct GsPlan {
+  int64_t tall_blocks = 0;  // > 0: several blocks per matrix, this many in all; 0: one each
+  int64_t max_cols = 0;     // the widest matrix (tall plans)
+  int passes = 1;           // 2 when a matrix has more than 2 columns (tall plans)
+};
+
+// Picks the way for these matrices (HOST arrays) on the current device: tall when every matrix
+// has at most kGsTallMaxCols columns, one has at least `min_rows` rows (tests lower it), the
+// device launches cooperatively, and all the blocks fit on it at once; one block per matrix
+// otherwise. Cheap after the first call per device.
+GsPlan plan_orthogonalize_cuda(const int64_t* rows, const int64_t* cols, int64_t count,
+                               bool is_double, int64_t min_rows = kGsTallMinRows);
+// Doubles of device scratch a launch with `plan` needs (0 for one block per matrix).
+int64_t orthogonalize_cuda_scratch(const GsPlan& plan);
+
+// With a tall plan, `scratch` holds orthogonalize_cuda_scratch(plan) doubles on the device;
+// without one (or with a null scratch), one block per matrix.
 void orthogonalize_cuda(float* data, const int64_t* offsets, const int64_t* rows,
-                        const int64_t* cols, int64_t count, float epsilon, cudaStream_t stream);
+                        const int64_t* cols, int64_t count, float epsilon, cudaStream_t stream,
+                        const GsPlan& plan = GsPlan(), double* scratch = nullptr);
 void orthogonalize_cuda(double* data, const int64_t* offsets, const int64_t* rows,
-                        const int64_t* cols, int64_t count, double epsilon, cudaStream_t stream);
+                        const int64_t* cols, int64_t count, double epsilon, cudaStream_t stream,
+                        const GsPlan& plan = GsPlan(), double* scratch = nullptr);
 
 }  // namespace kernels
 }  // namespace ddpx

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/orthogonalize.h"
 
@@ -79,8 +80,18 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
       const int64_t* base = d.data_ptr<int64_t>();
       const int64_t n = pack.count();
       const CudaLaunch launch(flat);
+      // A few tall matrices are spread over several blocks each (kernels/orthogonalize_cuda.h);
+      // their blocks combine sums through a scratch buffer from the caching allocator.
+      const kernels::GsPlan plan = kernels::plan_orthogonalize_cuda(
+          pack.rows().data(), pack.cols().data(), n, std::is_same<scalar_t, double>::value);
+      at::Tensor scratch;
+      if (plan.tall_blocks > 0) {
+        scratch = at::empty({kernels::orthogonalize_cuda_scratch(plan)},
+                            flat.options().dtype(at::kDouble));
+      }
       kernels::orthogonalize_cuda(flat.data_ptr<scalar_t>(), base, base + n, base + 2 * n, n, eps,
-                                  launch.stream());
+                                  launch.stream(), plan,
+                                  scratch.defined() ? scratch.data_ptr<double>() : nullptr);
 #else
       TORCH_CHECK(false, "orthogonalize_: ddpx was built without CUDA support");
 #endif

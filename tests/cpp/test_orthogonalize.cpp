@@ -166,6 +166,17 @@ std::vector<Shape> random_shapes(uint64_t seed, int count) {
   return shapes;
 }
 
+// Shapes for the tall way: tall matrices (PowerSGD's P of a 4096-row layer at rank 32; row
+// counts that are not a multiple of the block's 128 rows) beside a few small ones in the same
+// launch (fewer rows than one block has threads).
+std::vector<Shape> tall_shapes(uint64_t seed) {
+  std::vector<Shape> shapes = {{4096, 32}, {1500, 4}, {1025, 1}, {2000, 2}, {1024, 3},
+                               {129, 17},  {3, 3},    {1, 1},    {640, 32}};
+  auto small = random_shapes(seed, 10);
+  shapes.insert(shapes.end(), small.begin(), small.end());
+  return shapes;
+}
+
 // What a kernel produced for pack `p` (`out`), checked matrix by matrix against the reference
 // for `epsilon`; returns the worst |Q - Q_ref| / (u kappa sqrt(r)).
 template <typename T>
@@ -181,7 +192,10 @@ double check_against_reference(const Pack<T>& p, const std::vector<T>& out, doub
     at::Tensor want = epsilon == 0 ? qr_reference(a) : torch_gram_schmidt(a, epsilon);
     if (epsilon != 0 && p.cols[k] > 2) want = torch_gram_schmidt(want, 0.0);
     const double kappa = condition_number(a);
-    const double scale = u * kappa * std::sqrt(static_cast<double>(p.cols[k]));
+    // Sums of n products (the kernel's and this check's own) round about sqrt(n) times worse:
+    // the bounds, set for n <= 300, grow by sqrt(n / 300) for the tall matrices.
+    const double length = std::max(1.0, std::sqrt(static_cast<double>(p.rows[k]) / 300.0));
+    const double scale = u * kappa * std::sqrt(static_cast<double>(p.cols[k])) * length;
     const double err = max_abs_diff(q, want);
     worst = std::max(worst, err / scale);
     EXPECT_LE(err, kTolFactor * scale)
@@ -234,8 +248,8 @@ uint64_t ortho_seed(const OrthoCase& c) {
 class OrthogonalizeCpu : public ::testing::TestWithParam<OrthoCase> {};
 
 template <typename T>
-void cpu_matches_reference(const OrthoCase& c) {
-  const auto shapes = random_shapes(ortho_seed(c), 50);
+void cpu_matches_reference(const OrthoCase& c, bool tall = false) {
+  const auto shapes = tall ? tall_shapes(ortho_seed(c)) : random_shapes(ortho_seed(c), 50);
   Pack<T> p = make_pack<T>(shapes, ortho_seed(c) * 7 + 3);
   std::vector<T> out = p.data;
   run_cpu(p, out, c.epsilon);
@@ -251,6 +265,16 @@ TEST_P(OrthogonalizeCpu, MatchesTorchReference) {
     cpu_matches_reference<float>(GetParam());
   } else {
     cpu_matches_reference<double>(GetParam());
+  }
+}
+
+// The shapes the CUDA kernel's tall way is tested on (rows up to 4096): the CPU kernel meets the
+// same reference tolerance there, so the tolerance holds for tall matrices.
+TEST_P(OrthogonalizeCpu, TallMatchesTorchReference) {
+  if (GetParam().dtype == at::kFloat) {
+    cpu_matches_reference<float>(GetParam(), true);
+  } else {
+    cpu_matches_reference<double>(GetParam(), true);
   }
 }
 
@@ -562,28 +586,44 @@ struct Stream {
   bool ok = false;
 };
 
+// Runs the CUDA kernel on `data`: one block per matrix, or, with tall_min_rows >= 0, the plan
+// for that threshold, which must be a tall one (several blocks per matrix), so that a test of
+// the tall way cannot silently test the other.
 template <typename T>
-void run_cuda(const Pack<T>& p, std::vector<T>& data, double epsilon) {
+void run_cuda(const Pack<T>& p, std::vector<T>& data, double epsilon, int64_t tall_min_rows = -1) {
   Stream stream;
   ASSERT_TRUE(stream.ok);
   DeviceVector<T> d(data, stream.s);
   DeviceVector<int64_t> off(p.offsets, stream.s), rows(p.rows, stream.s), cols(p.cols, stream.s);
   ASSERT_TRUE(d.ptr && off.ptr && rows.ptr && cols.ptr) << "cudaMalloc/cudaMemcpy failed";
-  k::orthogonalize_cuda(d.ptr, off.ptr, rows.ptr, cols.ptr, static_cast<int64_t>(p.offsets.size()),
-                        static_cast<T>(epsilon), stream.s);
+  const int64_t count = static_cast<int64_t>(p.offsets.size());
+  k::GsPlan plan;
+  if (tall_min_rows >= 0) {
+    plan = k::plan_orthogonalize_cuda(p.rows.data(), p.cols.data(), count,
+                                      std::is_same<T, double>::value, tall_min_rows);
+    ASSERT_GT(plan.tall_blocks, 0) << "no tall plan for these matrices on this GPU";
+  }
+  DeviceVector<double> scratch(
+      std::vector<double>(static_cast<size_t>(k::orthogonalize_cuda_scratch(plan))), stream.s);
+  ASSERT_TRUE(scratch.ptr);
+  k::orthogonalize_cuda(d.ptr, off.ptr, rows.ptr, cols.ptr, count, static_cast<T>(epsilon),
+                        stream.s, plan, plan.tall_blocks > 0 ? scratch.ptr : nullptr);
   DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream.s));
   DDPX_ASSERT_CUDA(cudaGetLastError());
   data = d.to_host();
 }
 
 template <typename T>
-void cuda_matches(const OrthoCase& c) {
-  // The CPU shapes plus many small matrices (a grid of thousands of blocks).
-  auto shapes = random_shapes(ortho_seed(c), 50);
-  for (int i = 0; i < 3000; ++i) shapes.push_back({4 + i % 13, 1 + i % 4});
+void cuda_matches(const OrthoCase& c, bool tall) {
+  // One block per matrix: the CPU shapes plus many small matrices (a grid of thousands of
+  // blocks). Tall: tall_shapes, every matrix spread over blocks of 128 rows.
+  auto shapes = tall ? tall_shapes(ortho_seed(c)) : random_shapes(ortho_seed(c), 50);
+  if (!tall) {
+    for (int i = 0; i < 3000; ++i) shapes.push_back({4 + i % 13, 1 + i % 4});
+  }
   Pack<T> p = make_pack<T>(shapes, ortho_seed(c) * 11 + 5);
   std::vector<T> gpu = p.data, cpu = p.data;
-  run_cuda(p, gpu, c.epsilon);
+  run_cuda(p, gpu, c.epsilon, tall ? 1 : -1);
   if (::testing::Test::HasFatalFailure()) return;
   run_cpu(p, cpu, c.epsilon);
   const double worst = check_against_reference(p, gpu, c.epsilon, "orthogonalize_cuda");
@@ -603,22 +643,33 @@ class OrthogonalizeCuda : public ::testing::TestWithParam<OrthoCase> {};
 TEST_P(OrthogonalizeCuda, MatchesTorchReferenceAndCpu) {
   DDPX_SKIP_WITHOUT_GPU();
   if (GetParam().dtype == at::kFloat) {
-    cuda_matches<float>(GetParam());
+    cuda_matches<float>(GetParam(), false);
   } else {
-    cuda_matches<double>(GetParam());
+    cuda_matches<double>(GetParam(), false);
+  }
+}
+
+// Review finding F1: a few tall matrices, each over several blocks joined by grid barriers.
+TEST_P(OrthogonalizeCuda, TallMatchesTorchReferenceAndCpu) {
+  DDPX_SKIP_WITHOUT_GPU();
+  if (GetParam().dtype == at::kFloat) {
+    cuda_matches<float>(GetParam(), true);
+  } else {
+    cuda_matches<double>(GetParam(), true);
   }
 }
 
 template <typename T>
-void cuda_zero_columns(double epsilon) {
-  Pack<T> p = make_pack<T>({{300, 5}, {4, 4}}, 78);
-  for (int64_t j = 0; j < 300; ++j) {
+void cuda_zero_columns(double epsilon, bool tall) {
+  const int64_t n = tall ? 3000 : 300;
+  Pack<T> p = make_pack<T>({{n, 5}, {4, 4}}, 78);
+  for (int64_t j = 0; j < n; ++j) {
     p.data[p.offsets[0] + j * 5 + 1] = T(0);
     p.data[p.offsets[0] + j * 5 + 4] = T(0);
   }
   for (int64_t i = 0; i < 16; ++i) p.data[p.offsets[1] + i] = T(0);
   std::vector<T> gpu = p.data, cpu = p.data;
-  run_cuda(p, gpu, epsilon);
+  run_cuda(p, gpu, epsilon, tall ? 1 : -1);
   if (::testing::Test::HasFatalFailure()) return;
   run_cpu(p, cpu, epsilon);
   for (size_t i = 0; i < gpu.size(); ++i) {
@@ -631,10 +682,13 @@ void cuda_zero_columns(double epsilon) {
 
 TEST_P(OrthogonalizeCuda, ZeroColumnsBecomeZeros) {
   DDPX_SKIP_WITHOUT_GPU();
-  if (GetParam().dtype == at::kFloat) {
-    cuda_zero_columns<float>(GetParam().epsilon);
-  } else {
-    cuda_zero_columns<double>(GetParam().epsilon);
+  for (bool tall : {false, true}) {
+    SCOPED_TRACE(tall ? "tall" : "one block per matrix");
+    if (GetParam().dtype == at::kFloat) {
+      cuda_zero_columns<float>(GetParam().epsilon, tall);
+    } else {
+      cuda_zero_columns<double>(GetParam().epsilon, tall);
+    }
   }
 }
 
@@ -647,12 +701,38 @@ TEST(OrthogonalizeCudaEpsilon, TinyColumnStaysFiniteAndUnitNorm) {
   DDPX_SKIP_WITHOUT_GPU();
   Pack<float> p = make_pack<float>({{4, 2}}, 5);
   p.data = tiny_column_input();
-  std::vector<float> gpu = p.data, cpu = p.data;
-  run_cuda(p, gpu, 0.0);
-  if (::testing::Test::HasFatalFailure()) return;
-  run_cpu(p, cpu, 0.0);
-  check_tiny_column(p.data, gpu);
-  for (size_t i = 0; i < gpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], 1e-6) << "element " << i;
+  for (int64_t tall_min_rows : {int64_t{-1}, int64_t{1}}) {
+    SCOPED_TRACE(tall_min_rows < 0 ? "one block per matrix" : "tall");
+    std::vector<float> gpu = p.data, cpu = p.data;
+    run_cuda(p, gpu, 0.0, tall_min_rows);
+    if (::testing::Test::HasFatalFailure()) return;
+    run_cpu(p, cpu, 0.0);
+    check_tiny_column(p.data, gpu);
+    for (size_t i = 0; i < gpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], 1e-6) << "element " << i;
+  }
+}
+
+// The plan: tall only for matrices of at most 32 columns, one of them at least min_rows long,
+// and only as many blocks as the GPU holds at once (else one block per matrix).
+TEST(OrthogonalizeCudaPlan, TallOnlyWhereItFits) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> rows = {4096, 100}, cols = {32, 4};
+  EXPECT_GT(k::plan_orthogonalize_cuda(rows.data(), cols.data(), 2, false).tall_blocks, 0);
+  const k::GsPlan plan = k::plan_orthogonalize_cuda(rows.data(), cols.data(), 2, true);
+  EXPECT_EQ(plan.tall_blocks, 32 + 1);
+  EXPECT_EQ(plan.max_cols, 32);
+  EXPECT_EQ(plan.passes, 2);
+  EXPECT_EQ(k::orthogonalize_cuda_scratch(plan), 2 * 33 * 33);
+  const std::vector<int64_t> short_rows = {1000, 100};
+  EXPECT_EQ(k::plan_orthogonalize_cuda(short_rows.data(), cols.data(), 2, false).tall_blocks, 0);
+  const std::vector<int64_t> wide = {32, 33};
+  EXPECT_EQ(k::plan_orthogonalize_cuda(rows.data(), wide.data(), 2, false).tall_blocks, 0);
+  // 4096 matrices of 4096 rows: far more blocks than any GPU keeps resident.
+  const std::vector<int64_t> many_rows(4096, 4096), many_cols(4096, 2);
+  EXPECT_EQ(k::plan_orthogonalize_cuda(many_rows.data(), many_cols.data(), 4096, false).tall_blocks,
+            0);
+  const std::vector<int64_t> one_row = {4096}, two = {2};
+  EXPECT_EQ(k::plan_orthogonalize_cuda(one_row.data(), two.data(), 1, false).passes, 1);
 }
 
 template <typename T>

@@ -174,18 +174,21 @@ def test_kernel_argument_errors():
 # ---- PowerSGD's batched Gram-Schmidt (orthogonalize_) ----------------------------------------
 
 GS_SHAPES = [(40, 1), (300, 1), (40, 2), (300, 2), (40, 4), (300, 4), (64, 32), (300, 32)]
+# A few tall matrices (PowerSGD's P of a 4096-row layer): on CUDA, each spread over several
+# blocks (kernels/orthogonalize_cuda.h: at least 1024 rows, at most 32 columns).
+GS_TALL_SHAPES = [(4096, 32), (1500, 4), (1025, 1), (2000, 2), (64, 32)]
 
 
-def gs_inputs(dtype, seed=0):
+def gs_inputs(dtype, seed=0, shapes=GS_SHAPES):
     g = torch.Generator().manual_seed(seed)
-    mats = [torch.randn(n, r, generator=g, dtype=torch.float64) for n, r in GS_SHAPES]
+    mats = [torch.randn(n, r, generator=g, dtype=torch.float64) for n, r in shapes]
     flat = torch.cat([m.reshape(-1) for m in mats]).to(dtype)
     return mats, flat
 
 
-def split_gs(flat):
+def split_gs(flat, shapes=GS_SHAPES):
     out, pos = [], 0
-    for n, r in GS_SHAPES:
+    for n, r in shapes:
         out.append(flat[pos:pos + n * r].double().view(n, r))
         pos += n * r
     return out
@@ -197,15 +200,16 @@ def qr_positive(m):
     return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
 
 
+@pytest.mark.parametrize("shapes", [GS_SHAPES, GS_TALL_SHAPES], ids=["short", "tall"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_orthogonalize_matches_qr_up_to_rank_32(dtype):
-    """Ranks 1 to 32 (one launch for all 8 matrices): orthonormal columns, equal to the Q of a
+def test_orthogonalize_matches_qr_up_to_rank_32(dtype, shapes):
+    """Ranks 1 to 32 (one launch for all the matrices): orthonormal columns, equal to the Q of a
     fp64 QR (sign-normalised) within a few units of rounding times the (small) condition number
     of Gaussian matrices; ranks above 2 take the second Gram-Schmidt pass."""
-    mats, flat = gs_inputs(dtype)
-    C.orthogonalize_(flat, [n for n, _ in GS_SHAPES], [r for _, r in GS_SHAPES], 0.0)
+    mats, flat = gs_inputs(dtype, shapes=shapes)
+    C.orthogonalize_(flat, [n for n, _ in shapes], [r for _, r in shapes], 0.0)
     tol = 2e-5 if dtype == torch.float32 else 1e-12
-    for (n, r), m, q in zip(GS_SHAPES, mats, split_gs(flat)):
+    for (n, r), m, q in zip(shapes, mats, split_gs(flat, shapes)):
         eye = torch.eye(r, dtype=torch.float64)
         assert (q.T @ q - eye).abs().max() <= tol * r, (n, r)
         cond = torch.linalg.cond(m).item()
