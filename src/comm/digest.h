@@ -27,11 +27,26 @@ class Digest {
   uint64_t h_ = 1469598103934665603ull;
 };
 
+// Where all_ranks_agree's all-reduce runs.
+enum class AgreeOn {
+  // On the host when the group takes CPU tensors (Gloo: no GPU work, no wait on the GPU), else
+  // as kDevice (NCCL takes device tensors only).
+  kAuto,
+  kHost,
+  // On `device`, on a side stream: uploaded from pinned memory, read back into pinned memory,
+  // and only that stream waited for. The host does not wait for the work queued on the current
+  // stream (review finding H1: a pageable upload and .cpu() drained the GPU queue at every
+  // averaging step); it waits for the group's earlier collectives and for the other ranks.
+  kDevice,
+};
+
 // For each digest, whether every rank of `pg` passed the same value: one all-reduce (MAX) of
-// [d, -d, ...] in a tensor on `device` (NCCL takes CUDA tensors only), as max(d) == -max(-d)
-// exactly when min(d) == max(d). Every rank must call it with as many digests.
+// [d, -d, ...], as max(d) == -max(-d) exactly when min(d) == max(d), in a tensor on the host or
+// on `device` as `where` says. Every rank must call it with as many digests. Blocks until the
+// answer is known. Not cached: a rank whose tensors changed while the others' had not would
+// issue this collective against their data collectives, a hang where this gives an error.
 std::vector<bool> all_ranks_agree(const std::vector<int64_t>& digests, const ProcessGroupPtr& pg,
-                                  const c10::Device& device);
+                                  const c10::Device& device, AgreeOn where = AgreeOn::kAuto);
 
 }  // namespace comm
 }  // namespace ddpx

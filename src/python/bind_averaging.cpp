@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bind_utils.h"
+#include "comm/digest.h"
 
 namespace ddpx {
 namespace python {
@@ -47,6 +48,25 @@ void bind_averaging(py::module& m) {
       py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes,
       "Averages `params` in place over `process_group` (None: not a member, no-op) in bounded "
       "memory; returns what it did as a dict.");
+
+  m.def(
+      "_all_ranks_agree",
+      [](const std::vector<int64_t>& digests, const py::object& group, const at::Device& device,
+         const std::string& where) {
+        const ProcessGroupPtr pg = optional_group(group);
+        TORCH_CHECK_VALUE(pg, "_all_ranks_agree: this rank is not in the group");
+        TORCH_CHECK_VALUE(where == "auto" || where == "host" || where == "device",
+                          "_all_ranks_agree: where must be 'auto', 'host' or 'device', got '",
+                          where, "'");
+        const comm::AgreeOn on = where == "host"     ? comm::AgreeOn::kHost
+                                 : where == "device" ? comm::AgreeOn::kDevice
+                                                     : comm::AgreeOn::kAuto;
+        py::gil_scoped_release no_gil;
+        return comm::all_ranks_agree(digests, pg, device, on);
+      },
+      py::arg("digests"), py::arg("process_group"), py::arg("device"), py::arg("where") = "auto",
+      "For tests: whether every rank passed the same digests (the agreement averaging and the "
+      "C++ DDP run before their collectives), the all-reduce on the host or on `device`.");
 
   py::class_<ModelAverager, std::shared_ptr<ModelAverager>>(
       m, "ModelAverager", "Native model averager base (see ddpx.model_averaging).")

@@ -89,3 +89,46 @@ def test_cuda_post_local_sgd_nccl_world_size_1():
     (res,) = run_ranks(rank_cuda_post_local, 1, backend="nccl")
     for t, d in zip(res["torch"], res["ddpx"]):
         assert torch.equal(t, d)
+
+
+def _queue_gpu_work(seconds: float) -> None:
+    """Queues about `seconds` of GPU time (torch.cuda._sleep spins for a number of cycles) on the
+    current stream, calibrated here."""
+    torch.cuda._sleep(1000)  # first launch out of the way
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    stop.record()
+    stop.synchronize()
+    cycles_per_s = 10_000_000 / (start.elapsed_time(stop) / 1e3)
+    torch.cuda._sleep(int(cycles_per_s * seconds))
+
+
+def rank_agreement_no_drain(rank: int, world_size: int):
+    """Review finding H1: the agreement before averaging's collectives must not wait for the work
+    queued on the current stream (it used to upload and read back through it). With 1 s queued,
+    the agreement on CUDA tensors returns long before, on a side stream ("device", as for NCCL)
+    and on the host ("auto" for a Gloo group)."""
+    import time
+    out = {}
+    dev = torch.device("cuda", 0)
+    for where in ("device", "auto"):
+        ddpx._C._all_ranks_agree([5, 6], dist.group.WORLD, dev, where)  # warm-up
+        torch.cuda.synchronize()
+        dist.barrier()
+        _queue_gpu_work(1.0)
+        t0 = time.perf_counter()
+        same = ddpx._C._all_ranks_agree([5, 6 + rank], dist.group.WORLD, dev, where)
+        elapsed = time.perf_counter() - t0
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        out[where] = (same, elapsed, busy)
+    return out
+
+
+def test_cuda_agreement_does_not_wait_for_queued_work():
+    for res in run_ranks(rank_agreement_no_drain, 2, backend="gloo"):
+        for where, (same, elapsed, busy) in res.items():
+            assert same == [True, False], (where, same)
+            assert busy, f"{where}: the queued work was done when the agreement returned"
+            assert elapsed < 0.5, f"{where}: the agreement waited {elapsed:.2f} s"

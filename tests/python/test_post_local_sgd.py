@@ -33,7 +33,9 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import ddpx
 import post_local_sgd_cases as pc
 from dist_utils import run_ranks
 
@@ -579,3 +581,20 @@ def test_state_iter_counts_like_torch():
         assert len(seen) > 6  # several buckets per backward pass
         assert all(t == d for t, d in seen), seen
         assert seen[-1] == (6, 6)
+
+
+def rank_agreement(rank: int, world_size: int):
+    """The agreement run before averaging's collectives: the digests of every rank compared by
+    one all-reduce; the last rank differs in the second digest."""
+    group = dist.group.WORLD
+    same = ddpx._C._all_ranks_agree([11, 22], group, torch.device("cpu"))
+    differ = ddpx._C._all_ranks_agree([11, 22 + (rank == world_size - 1)], group,
+                                      torch.device("cpu"), "host")
+    return same, differ
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_agreement_of_digests(world_size):
+    for same, differ in run_ranks(rank_agreement, world_size):
+        assert same == [True, True]
+        assert differ == [True, False]

@@ -164,6 +164,17 @@ inline std::string backend_name(const c10d::ProcessGroup& pg, c10::DeviceType ty
   return pg.getBackendName();
 }
 
+// Whether collectives of `pg` take CPU tensors: a 2.x group with a CPU backend (Gloo, or the CPU
+// half of "cpu:gloo,cuda:nccl"), a 1.13 Gloo (or MPI) group, not NCCL.
+inline bool takes_cpu_tensors(c10d::ProcessGroup& pg) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  return has_backend_for(pg, c10::DeviceType::CPU);
+#else
+  const std::string name = pg.getBackendName();
+  return name == "gloo" || name == "mpi";
+#endif
+}
+
 #ifdef USE_C10D_GLOO
 // A Gloo process group for `rank` of `size` over `store` (construction is a rendezvous: every
 // rank must construct its group concurrently). Ranks that are threads of one process should call
