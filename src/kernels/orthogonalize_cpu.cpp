@@ -15,10 +15,52 @@ namespace {
 // Each sum still runs over the rows in order, and column c's dot does not depend on the other
 // columns' updates of the same step, so the results are those of the column-by-column loop, bit
 // for bit, at two sweeps per column instead of O(r) of them.
+// Step i's first sweep: normalises column i and sums its dot products with the `later` columns
+// after it into dots[]. L > 0: `later` known at compile time (short rows: no loop overhead).
+template <int L, typename T>
+inline __attribute__((always_inline)) void normalise_and_dot(T* m, int64_t n, int64_t r, int64_t i,
+                                                             int64_t later, bool zero, bool divide,
+                                                             T inv, double denom, double* dots) {
+  if (L > 0) later = L;
+  std::fill(dots, dots + later, 0.0);
+  for (int64_t j = 0; j < n; ++j) {
+    T* row = m + j * r;
+    // torch's arithmetic: m * (1/norm); a zero column becomes zeros.
+    row[i] = zero ? T(0) : divide ? T(double(row[i]) / denom) : T(row[i] * inv);
+    const double mi = double(row[i]);
+    const T* rest = row + i + 1;
+    for (int64_t c = 0; c < later; ++c) dots[c] += mi * double(rest[c]);
+  }
+}
+
+// Step i's second sweep: takes the projections coef[c] * column i off the later columns and
+// returns the squared norm of column i + 1 (the next step's).
+template <int L, typename T>
+inline __attribute__((always_inline)) double project_out(T* m, int64_t n, int64_t r, int64_t i,
+                                                         int64_t later, const T* coef) {
+  if (L > 0) later = L;
+  double sq = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    T* row = m + j * r;
+    const T mi = row[i];
+    T* rest = row + i + 1;
+    for (int64_t c = 0; c < later; ++c) rest[c] -= coef[c] * mi;
+    sq += double(rest[0]) * double(rest[0]);
+  }
+  return sq;
+}
+
+// Modified Gram-Schmidt on one row-major n x r matrix. After column i is normalised, its dot
+// products with every later column are taken in one sweep over the rows (each row's later
+// columns are contiguous: the inner loop vectorises), and the projections are taken off in a
+// second sweep, which also sums the next column's squared norm. `dots` and `coef` hold r values.
+// Each sum still runs over the rows in order, and column c's dot does not depend on the other
+// columns' updates of the same step, so the results are those of the column-by-column loop, bit
+// for bit, at two sweeps per column instead of O(r) of them.
 template <typename T>
 inline __attribute__((always_inline)) void gram_schmidt_body(T* m, int64_t n, int64_t r, double eps,
                                                              double* dots, T* coef) {
-  double sq = 0;  // squared norm of column i, summed by the previous step's update sweep
+  double sq = 0;  // squared norm of column i, summed by the previous step's second sweep
   for (int64_t j = 0; j < n && r > 0; ++j) sq += double(m[j * r]) * double(m[j * r]);
   for (int64_t i = 0; i < r; ++i) {
     const double norm = std::sqrt(sq);
@@ -30,24 +72,35 @@ inline __attribute__((always_inline)) void gram_schmidt_body(T* m, int64_t n, in
     // the squared norm underflows to 0 first: such a column is a zero column.)
     const bool divide = !std::isfinite(inv);
     const int64_t later = r - i - 1;
-    std::fill(dots, dots + later, 0.0);
-    for (int64_t j = 0; j < n; ++j) {
-      T* row = m + j * r;
-      // torch's arithmetic: m * (1/norm); a zero column becomes zeros.
-      row[i] = zero ? T(0) : divide ? T(double(row[i]) / denom) : T(row[i] * inv);
-      const double mi = double(row[i]);
-      const T* rest = row + i + 1;
-      for (int64_t c = 0; c < later; ++c) dots[c] += mi * double(rest[c]);
+    switch (later) {
+      case 0:
+        normalise_and_dot<0>(m, n, r, i, 0, zero, divide, inv, denom, dots);
+        return;
+      case 1:
+        normalise_and_dot<1>(m, n, r, i, later, zero, divide, inv, denom, dots);
+        break;
+      case 2:
+        normalise_and_dot<2>(m, n, r, i, later, zero, divide, inv, denom, dots);
+        break;
+      case 3:
+        normalise_and_dot<3>(m, n, r, i, later, zero, divide, inv, denom, dots);
+        break;
+      default:
+        normalise_and_dot<0>(m, n, r, i, later, zero, divide, inv, denom, dots);
     }
-    if (later == 0) break;
     for (int64_t c = 0; c < later; ++c) coef[c] = zero ? T(0) : T(dots[c]);
-    sq = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      T* row = m + j * r;
-      const T mi = row[i];
-      T* rest = row + i + 1;
-      for (int64_t c = 0; c < later; ++c) rest[c] -= coef[c] * mi;
-      sq += double(rest[0]) * double(rest[0]);
+    switch (later) {
+      case 1:
+        sq = project_out<1>(m, n, r, i, later, coef);
+        break;
+      case 2:
+        sq = project_out<2>(m, n, r, i, later, coef);
+        break;
+      case 3:
+        sq = project_out<3>(m, n, r, i, later, coef);
+        break;
+      default:
+        sq = project_out<0>(m, n, r, i, later, coef);
     }
   }
 }
