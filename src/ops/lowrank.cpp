@@ -1,6 +1,7 @@
 #include "ops/lowrank.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
@@ -17,9 +18,19 @@ namespace ddpx {
 namespace ops {
 namespace {
 
-// ddpx's one-pass CPU kernels take contiguous fp32/fp64 tensors of one dtype; anything else goes
-// to at::bmm.
-bool use_cpu_kernels(std::initializer_list<const at::Tensor*> ts) {
+// From this rank on, torch's BLAS beats the one-pass kernels when it is MKL: at 1024 x 1024,
+// single-threaded, MKL's GEMM runs the three products at rank 32 in 0.8, 1.4 and 0.8 ms against
+// the kernels' 6.6, 4.9 and 4.9 (rank 16: 0.5, 1.1, 0.5 against 3.4, 2.5, 2.5); below it the
+// kernels' single pass over M wins or ties (MKL takes 0.6-3.8 ms at ranks 2-8). A generic BLAS
+// (Debian's torch: 3.6 GFLOP/s) never beats them. The choice depends on the shapes and torch's
+// build alone, so every rank makes the same one.
+constexpr int64_t kBlasMinRank = 16;
+
+// ddpx's one-pass CPU kernels take contiguous fp32/fp64 tensors of one dtype, at ranks below
+// kBlasMinRank when torch has MKL; anything else goes to at::bmm. `rank` is the factors' width.
+bool use_cpu_kernels(int64_t rank, std::initializer_list<const at::Tensor*> ts) {
+  static const bool mkl = at::hasMKL();
+  if (mkl && rank >= kBlasMinRank) return false;
   for (const at::Tensor* t : ts) {
     if (!t->device().is_cpu() || !t->is_contiguous() ||
         (t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) ||
@@ -48,7 +59,9 @@ void product(const at::Tensor& x, const char* x_name, const at::Tensor& y, const
   check_batch(x, x_name);
   check_batch(y, y_name);
   check_batch(out, out_name);
-  if (!use_cpu_kernels({&x, &y, &out})) {
+  // The factors' width: the last dimension of Q or P (y in the projections, both in
+  // the reconstruction).
+  if (!use_cpu_kernels(y.size(2), {&x, &y, &out})) {
     at::Tensor result = out;
     bmm(result);
     return;

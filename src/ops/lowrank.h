@@ -8,8 +8,9 @@ namespace ddpx {
 namespace ops {
 
 // PowerSGD's products on 3-D batches [b, ., .] (b may be 1): P = M Q, Q = M^T P, M = P Q^T.
-// CPU fp32/fp64 use ddpx's one-pass skinny kernels (kernels/lowrank.h); other devices and
-// dtypes use at::bmm (one batched GEMM launch on CUDA). Outputs are written in place.
+// CPU fp32/fp64 use ddpx's one-pass skinny kernels (kernels/lowrank.h), except from rank 16 on
+// with an MKL torch; other devices and dtypes, and those, use at::bmm (one batched GEMM launch
+// on CUDA). Outputs are written in place.
 void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P);
 void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tensor& Q);
 void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M);

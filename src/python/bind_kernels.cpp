@@ -8,6 +8,7 @@
 #include "bind_utils.h"
 #include "kernels/cast.h"
 #include "ops/cast.h"
+#include "ops/lowrank.h"
 #include "ops/orthogonalize.h"
 
 namespace ddpx {
@@ -48,6 +49,23 @@ void bind_kernels(py::module& m) {
       "Orthonormalises in place the columns of the row-major rows[k] x cols[k] matrices stored "
       "back to back in `flat` from element `first` (PowerSGD's batched Gram-Schmidt kernel; CPU "
       "or CUDA).");
+  m.def(
+      "lowrank_",
+      [](const std::string& op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+        py::gil_scoped_release no_gil;
+        if (op == "project") {
+          ops::lowrank_project_(a, b, out);
+        } else if (op == "project_t") {
+          ops::lowrank_project_t_(a, b, out);
+        } else {
+          TORCH_CHECK_VALUE(op == "reconstruct", "lowrank_: op must be 'project', 'project_t' or ",
+                            "'reconstruct', got '", op, "'");
+          ops::lowrank_reconstruct_(a, b, out);
+        }
+      },
+      py::arg("op"), py::arg("a"), py::arg("b"), py::arg("out"),
+      "PowerSGD's products on 3-D batches, into `out`: project P = M Q (a=M, b=Q), project_t "
+      "Q = M^T P (a=M, b=P), reconstruct M = P Q^T (a=P, b=Q).");
   m.def("cpu_has_fast_half", &kernels::cpu_has_fast_half, "True when the CPU kernels use F16C.");
 }
 
