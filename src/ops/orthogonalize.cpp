@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "kernels/orthogonalize.h"
@@ -82,8 +84,16 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
       const CudaLaunch launch(flat);
       // A few tall matrices are spread over several blocks each (kernels/orthogonalize_cuda.h);
       // their blocks combine sums through a scratch buffer from the caching allocator.
-      const kernels::GsPlan plan = kernels::plan_orthogonalize_cuda(
-          pack.rows().data(), pack.cols().data(), n, std::is_same<scalar_t, double>::value);
+      // DDPX_GS_TALL=0 keeps one block per matrix (a way back while the multi-block kernel
+      // has not run on many GPUs).
+      static const bool tall_off = [] {
+        const char* v = std::getenv("DDPX_GS_TALL");
+        return v != nullptr && std::string(v) == "0";
+      }();
+      const kernels::GsPlan plan =
+          tall_off ? kernels::GsPlan()
+                   : kernels::plan_orthogonalize_cuda(pack.rows().data(), pack.cols().data(), n,
+                                                      std::is_same<scalar_t, double>::value);
       at::Tensor scratch;
       if (plan.tall_blocks > 0) {
         scratch = at::empty({kernels::orthogonalize_cuda_scratch(plan)},
