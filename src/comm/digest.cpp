@@ -34,7 +34,8 @@ std::vector<bool> all_ranks_agree(const std::vector<int64_t>& digests, const Pro
     const bool pin = device.is_cuda();
     at::Tensor staged = at::tensor(both, at::kLong);
     if (pin) staged = staged.pin_memory();
-    std::vector<at::Tensor> buffers{at::empty({staged.numel()}, staged.options().device(device))};
+    std::vector<at::Tensor> buffers{
+        at::empty({staged.numel()}, at::TensorOptions(at::kLong).device(device))};
     buffers.front().copy_(staged, /*non_blocking=*/pin);
     pg->allreduce(buffers, opts)->wait();  // NCCL: the side stream waits, not the host
     result = at::empty({staged.numel()}, at::TensorOptions(at::kLong).pinned_memory(pin));
