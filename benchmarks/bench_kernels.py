@@ -163,8 +163,12 @@ def run_orthogonalize(args, dev, timer, inner) -> List[dict]:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
     out = []
     gen = torch.Generator().manual_seed(1)
-    print("\n| orthogonalize | matrices | torch ms | ddpx ms | torch/ddpx |")
-    print("|---|---:|---:|---:|---:|")
+    cuda = dev.type == "cuda"
+    # On CUDA also ddpx with one block per matrix (spread=False): the kernel before review
+    # finding F1's multi-block version, for the gain of the latter.
+    print("\n| orthogonalize | matrices | torch ms | ddpx ms | torch/ddpx |"
+          + (" ddpx one block/matrix ms | one block / ddpx |" if cuda else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
     for shape in args.gs_shapes:
         n, r, count = (int(v) for v in shape.split("x"))
         batch = torch.randn(count, n, r, generator=gen).to(dev)
@@ -177,14 +181,22 @@ def run_orthogonalize(args, dev, timer, inner) -> List[dict]:
         got = got.view(count, n, r)
         diff = (want.abs() - got.abs()).abs().max().item()
         assert diff < 1e-3, f"{shape}: ddpx and torch differ by {diff}"
-        t = timer({"torch": lambda: _orthogonalize(batch),
-                   "ddpx": lambda: ddpx._C.orthogonalize_(flat, rows_, cols_)}, args.reps, inner)
+        fns = {"torch": lambda: _orthogonalize(batch),
+               "ddpx": lambda: ddpx._C.orthogonalize_(flat, rows_, cols_)}
+        if cuda:
+            fns["one_block"] = lambda: ddpx._C.orthogonalize_(flat, rows_, cols_, spread=False)
+        t = timer(fns, args.reps, inner)
         row = {"op": "orthogonalize", "shape": shape, "n": n, "rank": r, "count": count,
                "torch_ms": t["torch"] * 1e3, "ddpx_ms": t["ddpx"] * 1e3,
                "ratio": t["torch"] / t["ddpx"]}
+        line = (f"| {n} x {r} | {count} | {row['torch_ms']:.3f} | {row['ddpx_ms']:.3f} | "
+                f"{row['ratio']:.2f} |")
+        if cuda:
+            row["one_block_ms"] = t["one_block"] * 1e3
+            row["one_block_ratio"] = t["one_block"] / t["ddpx"]
+            line += f" {row['one_block_ms']:.3f} | {row['one_block_ratio']:.2f} |"
         out.append(row)
-        print(f"| {n} x {r} | {count} | {row['torch_ms']:.3f} | {row['ddpx_ms']:.3f} | "
-              f"{row['ratio']:.2f} |")
+        print(line)
         sys.stdout.flush()
     return out
 

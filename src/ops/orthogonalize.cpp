@@ -54,7 +54,7 @@ MatrixPack MatrixPack::back_to_back(std::vector<int64_t> rows, std::vector<int64
   return MatrixPack(std::move(offsets), std::move(rows), std::move(cols), device);
 }
 
-void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon) {
+void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon, bool spread) {
   TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(),
               "orthogonalize_: expected a contiguous 1-D buffer");
   if (pack.count() == 0) return;
@@ -68,7 +68,7 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
     const int64_t begin = pack.begin(), length = pack.extent() - pack.begin();
     at::Tensor wide = at::empty({pack.extent()}, flat.options().dtype(at::kFloat));
     wide.narrow(0, begin, length).copy_(flat.narrow(0, begin, length));
-    orthogonalize_(wide, pack, epsilon);
+    orthogonalize_(wide, pack, epsilon, spread);
     flat.narrow(0, begin, length).copy_(wide.narrow(0, begin, length));
     return;
   }
@@ -91,9 +91,10 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
         return v != nullptr && std::string(v) == "0";
       }();
       const kernels::GsPlan plan =
-          tall_off ? kernels::GsPlan()
-                   : kernels::plan_orthogonalize_cuda(pack.rows().data(), pack.cols().data(), n,
-                                                      std::is_same<scalar_t, double>::value);
+          tall_off || !spread
+              ? kernels::GsPlan()
+              : kernels::plan_orthogonalize_cuda(pack.rows().data(), pack.cols().data(), n,
+                                                 std::is_same<scalar_t, double>::value);
       at::Tensor scratch;
       if (plan.tall_blocks > 0) {
         scratch = at::empty({kernels::orthogonalize_cuda_scratch(plan)},

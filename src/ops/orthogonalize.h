@@ -41,7 +41,10 @@ class MatrixPack {
 
 // Orthonormalises the columns of every matrix of `pack` inside `flat` (1-D, contiguous), in one
 // pass (one CUDA launch). 16-bit buffers are processed in fp32 and rounded back.
-void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon);
+// `spread`: on CUDA, let a few tall matrices take several blocks each (the default); false keeps
+// one block per matrix (for benchmarks that compare the two).
+void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon,
+                    bool spread = true);
 
 }  // namespace ops
 }  // namespace ddpx

@@ -39,16 +39,16 @@ void bind_kernels(py::module& m) {
   m.def(
       "orthogonalize_",
       [](const at::Tensor& flat, const std::vector<int64_t>& rows, const std::vector<int64_t>& cols,
-         double epsilon, int64_t first) {
+         double epsilon, int64_t first, bool spread) {
         py::gil_scoped_release no_gil;
         ops::orthogonalize_(flat, ops::MatrixPack::back_to_back(rows, cols, flat.device(), first),
-                            epsilon);
+                            epsilon, spread);
       },
       py::arg("flat"), py::arg("rows"), py::arg("cols"), py::arg("epsilon") = 0.0,
-      py::arg("first") = 0,
+      py::arg("first") = 0, py::arg("spread") = true,
       "Orthonormalises in place the columns of the row-major rows[k] x cols[k] matrices stored "
       "back to back in `flat` from element `first` (PowerSGD's batched Gram-Schmidt kernel; CPU "
-      "or CUDA).");
+      "or CUDA; spread=False keeps one CUDA block per matrix).");
   m.def(
       "lowrank_",
       [](const std::string& op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
