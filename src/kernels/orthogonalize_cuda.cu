@@ -134,8 +134,8 @@ __device__ void tall_block_of(const int64_t* rows, int64_t count, int64_t b, int
 // as they are reduced, so no array of them occupies registers. The bounds must be the same on
 // every thread of the block. Totals land in tot[] at the same indices, valid until the next call.
 template <typename T>
-__device__ void block_sums_tall(T mi, const T (&row)[kGsTallMaxCols], int lo, int hi, double* red,
-                                double* tot) {
+__device__ __forceinline__ void block_sums_tall(T mi, const T (&row)[kGsTallMaxCols], int lo,
+                                                int hi, double* red, double* tot) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kWarps = kTallThreads / 32;
 #pragma unroll
@@ -169,7 +169,7 @@ __device__ void block_sums_tall(T mi, const T (&row)[kGsTallMaxCols], int lo, in
 // Every block runs passes x max_cols steps, idling through those its matrix does not have, since
 // a grid barrier needs the whole grid.
 template <typename T>
-__global__ void __launch_bounds__(kTallThreads)
+__global__ void __launch_bounds__(kTallThreads, 1)
     gram_schmidt_tall_kernel(T* data, const int64_t* offsets, const int64_t* rows,
                              const int64_t* cols, int64_t count, double eps0, double* scratch,
                              int64_t max_cols, int passes) {
