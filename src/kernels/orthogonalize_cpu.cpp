@@ -8,13 +8,6 @@ namespace ddpx {
 namespace kernels {
 namespace {
 
-// Modified Gram-Schmidt on one row-major n x r matrix. After column i is normalised, its dot
-// products with every later column are taken in one sweep over the rows (each row's later
-// columns are contiguous: the inner loop vectorises), and the projections are taken off in a
-// second sweep, which also sums the next column's squared norm. `dots` and `coef` hold r values.
-// Each sum still runs over the rows in order, and column c's dot does not depend on the other
-// columns' updates of the same step, so the results are those of the column-by-column loop, bit
-// for bit, at two sweeps per column instead of O(r) of them.
 // Step i's first sweep: normalises column i and sums its dot products with the `later` columns
 // after it into dots[]. L > 0: `later` known at compile time (short rows: no loop overhead).
 template <int L, typename T>
@@ -50,6 +43,18 @@ inline __attribute__((always_inline)) double project_out(T* m, int64_t n, int64_
   return sq;
 }
 
+// Step i's two sweeps for `later` > 0 columns after column i; returns column i + 1's squared
+// norm. L: `later` at compile time (1-3: short rows without loop overhead) or 0 (at run time).
+template <int L, typename T>
+inline __attribute__((always_inline)) double sweep_step(T* m, int64_t n, int64_t r, int64_t i,
+                                                        int64_t later, bool zero, bool divide,
+                                                        T inv, double denom, double* dots,
+                                                        T* coef) {
+  normalise_and_dot<L>(m, n, r, i, later, zero, divide, inv, denom, dots);
+  for (int64_t c = 0; c < later; ++c) coef[c] = zero ? T(0) : T(dots[c]);
+  return project_out<L>(m, n, r, i, later, coef);
+}
+
 // Modified Gram-Schmidt on one row-major n x r matrix. After column i is normalised, its dot
 // products with every later column are taken in one sweep over the rows (each row's later
 // columns are contiguous: the inner loop vectorises), and the projections are taken off in a
@@ -72,35 +77,22 @@ inline __attribute__((always_inline)) void gram_schmidt_body(T* m, int64_t n, in
     // the squared norm underflows to 0 first: such a column is a zero column.)
     const bool divide = !std::isfinite(inv);
     const int64_t later = r - i - 1;
-    switch (later) {
-      case 0:
-        normalise_and_dot<0>(m, n, r, i, 0, zero, divide, inv, denom, dots);
-        return;
-      case 1:
-        normalise_and_dot<1>(m, n, r, i, later, zero, divide, inv, denom, dots);
-        break;
-      case 2:
-        normalise_and_dot<2>(m, n, r, i, later, zero, divide, inv, denom, dots);
-        break;
-      case 3:
-        normalise_and_dot<3>(m, n, r, i, later, zero, divide, inv, denom, dots);
-        break;
-      default:
-        normalise_and_dot<0>(m, n, r, i, later, zero, divide, inv, denom, dots);
+    if (later == 0) {
+      normalise_and_dot<0>(m, n, r, i, 0, zero, divide, inv, denom, dots);
+      return;
     }
-    for (int64_t c = 0; c < later; ++c) coef[c] = zero ? T(0) : T(dots[c]);
     switch (later) {
       case 1:
-        sq = project_out<1>(m, n, r, i, later, coef);
+        sq = sweep_step<1>(m, n, r, i, later, zero, divide, inv, denom, dots, coef);
         break;
       case 2:
-        sq = project_out<2>(m, n, r, i, later, coef);
+        sq = sweep_step<2>(m, n, r, i, later, zero, divide, inv, denom, dots, coef);
         break;
       case 3:
-        sq = project_out<3>(m, n, r, i, later, coef);
+        sq = sweep_step<3>(m, n, r, i, later, zero, divide, inv, denom, dots, coef);
         break;
       default:
-        sq = project_out<0>(m, n, r, i, later, coef);
+        sq = sweep_step<0>(m, n, r, i, later, zero, divide, inv, denom, dots, coef);
     }
   }
 }
