@@ -276,10 +276,8 @@ GsPlan plan_for(const int64_t* rows, const int64_t* cols, int64_t count, int64_t
     widest = cols[k] > widest ? cols[k] : widest;
   }
   if (count == 0 || longest < min_rows || widest == 0) return plan;
-  int device = 0, cooperative = 0;
-  DDPX_CUDA_CHECK(cudaGetDevice(&device));
-  DDPX_CUDA_CHECK(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
-  if (!cooperative || blocks > resident_blocks<gram_schmidt_tall_kernel<T>, kTallThreads>()) {
+  if (device_attribute<cudaDevAttrCooperativeLaunch>() == 0 ||
+      blocks > resident_blocks<gram_schmidt_tall_kernel<T>, kTallThreads>()) {
     return plan;
   }
   plan.tall_blocks = blocks;
