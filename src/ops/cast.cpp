@@ -84,6 +84,40 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
   kernels::scaled_cast_cpu(src.data_ptr(), st, dst.data_ptr(), dt, src.numel(), scale);
 }
 
+namespace {
+
+// dst = cast(scale * sum of `rows` rows in order), on dst's device: the rows of `packed`
+// (contiguous, n = dst.numel() each), except that with `own` defined, row own_row is `own` and
+// `packed` skips it. Checked by the callers.
+void sum_rows_dispatch(const at::Tensor& packed, int64_t rows, const at::Tensor& own,
+                       int64_t own_row, const at::Tensor& dst, double scale) {
+  const at::Tensor& any = own.defined() ? own : packed;
+  const auto st = to_kernel_dtype(any.scalar_type(), "source tensor");
+  const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  if (!own.defined()) own_row = -1;
+  if (dst.is_cuda()) {
+#ifdef DDPX_WITH_CUDA
+    const CudaLaunch launch(dst);
+    kernels::sum_rows_cuda(packed.data_ptr(), st, rows, n, dst.data_ptr(), dt, scale,
+                           launch.stream(), own.defined() ? own.data_ptr() : nullptr, own_row);
+#endif
+    return;
+  }
+  const auto* base = static_cast<const char*>(packed.data_ptr());
+  const size_t row_bytes = static_cast<size_t>(n) * kernels::dtype_size(st);
+  std::vector<const void*> ptrs;
+  ptrs.reserve(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t packed_row = own_row >= 0 && r > own_row ? r - 1 : r;
+    ptrs.push_back(r == own_row ? own.data_ptr() : base + packed_row * row_bytes);
+  }
+  kernels::sum_row_ptrs_cpu(ptrs.data(), st, rows, n, dst.data_ptr(), dt, scale);
+}
+
+}  // namespace
+
 void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
   check_pair(src, dst, "ddpx::ops::sum_rows_into");
   TORCH_CHECK(src.dim() == 2, "ddpx::ops::sum_rows_into: src must be 2-D [rows, n], got ",
@@ -91,18 +125,7 @@ void sum_rows_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
   TORCH_CHECK(src.size(0) >= 1, "ddpx::ops::sum_rows_into: src must have at least one row");
   TORCH_CHECK(src.size(1) == dst.numel(), "ddpx::ops::sum_rows_into: src rows have ", src.size(1),
               " elements but dst has ", dst.numel());
-  const auto st = to_kernel_dtype(src.scalar_type(), "source tensor");
-  const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
-  if (dst.numel() == 0) return;
-  if (src.is_cuda()) {
-#ifdef DDPX_WITH_CUDA
-    const CudaLaunch launch(src);
-    kernels::sum_rows_cuda(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt, scale,
-                           launch.stream());
-#endif
-    return;
-  }
-  kernels::sum_rows_cpu(src.data_ptr(), st, src.size(0), src.size(1), dst.data_ptr(), dt, scale);
+  sum_rows_dispatch(src, src.size(0), at::Tensor(), -1, dst, scale);
 }
 
 void sum_rows_with_own_into(const at::Tensor& peers, const at::Tensor& own, int64_t own_row,
@@ -117,23 +140,7 @@ void sum_rows_with_own_into(const at::Tensor& peers, const at::Tensor& own, int6
   const int64_t rows = peers.size(0) + 1;
   TORCH_CHECK(own_row >= 0 && own_row < rows, op, ": own_row ", own_row, " is not in [0, ", rows,
               ")");
-  const auto st = to_kernel_dtype(own.scalar_type(), "source tensor");
-  const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
-  if (dst.numel() == 0) return;
-  if (own.is_cuda()) {
-#ifdef DDPX_WITH_CUDA
-    const CudaLaunch launch(own);
-    kernels::sum_rows_cuda(peers.data_ptr(), st, rows, dst.numel(), dst.data_ptr(), dt, scale,
-                           launch.stream(), own.data_ptr(), own_row);
-#endif
-    return;
-  }
-  std::vector<const void*> ptrs;
-  ptrs.reserve(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    ptrs.push_back(r == own_row ? own.data_ptr() : peers[r < own_row ? r : r - 1].data_ptr());
-  }
-  kernels::sum_row_ptrs_cpu(ptrs.data(), st, rows, dst.numel(), dst.data_ptr(), dt, scale);
+  sum_rows_dispatch(peers, rows, own, own_row, dst, scale);
 }
 
 }  // namespace ops

@@ -130,15 +130,24 @@ inline ProcessGroupPtr process_group_of(c10::intrusive_ptr<Backend> backend,
 #endif
 }
 
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+// The backend `pg` maps to tensors on `type`, or null when it has none (torch 2.x).
+// getBackend is a lookup that caches what it finds, hence not const in torch's header.
+inline c10::intrusive_ptr<c10d::Backend> backend_for(const c10d::ProcessGroup& pg,
+                                                     c10::DeviceType type) {
+  try {
+    return const_cast<c10d::ProcessGroup&>(pg).getBackend(type);
+  } catch (const c10::Error&) {
+    return {};
+  }
+}
+#endif
+
 // Whether `pg` has a backend for tensors on `type` (always true in 1.13: its group is one backend,
 // which takes whatever tensors it supports).
-inline bool has_backend_for(c10d::ProcessGroup& pg, c10::DeviceType type) {
+inline bool has_backend_for(const c10d::ProcessGroup& pg, c10::DeviceType type) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  try {
-    return pg.getBackend(type) != nullptr;
-  } catch (const c10::Error&) {
-    return false;
-  }
+  return backend_for(pg, type) != nullptr;
 #else
   (void)pg;
   (void)type;
@@ -151,13 +160,7 @@ inline bool has_backend_for(c10d::ProcessGroup& pg, c10::DeviceType type) {
 // not be the default (review finding P4); the default when none is mapped; in 1.13 the group's.
 inline std::string backend_name(const c10d::ProcessGroup& pg, c10::DeviceType type) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  try {
-    // getBackend is a lookup that caches what it finds (not const in torch's header).
-    if (auto backend = const_cast<c10d::ProcessGroup&>(pg).getBackend(type)) {
-      return backend->getBackendName();
-    }
-  } catch (const c10::Error&) {
-  }
+  if (auto backend = backend_for(pg, type)) return backend->getBackendName();
 #else
   (void)type;
 #endif
@@ -166,7 +169,7 @@ inline std::string backend_name(const c10d::ProcessGroup& pg, c10::DeviceType ty
 
 // Whether collectives of `pg` take CPU tensors: a 2.x group with a CPU backend (Gloo, or the CPU
 // half of "cpu:gloo,cuda:nccl"), a 1.13 Gloo (or MPI) group, not NCCL.
-inline bool takes_cpu_tensors(c10d::ProcessGroup& pg) {
+inline bool takes_cpu_tensors(const c10d::ProcessGroup& pg) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
   return has_backend_for(pg, c10::DeviceType::CPU);
 #else
