@@ -18,12 +18,13 @@ namespace ddpx {
 namespace ops {
 namespace {
 
-// From this rank on, torch's BLAS beats the one-pass kernels when it is MKL: at 1024 x 1024,
-// single-threaded, MKL's GEMM runs the three products at rank 32 in 0.8, 1.4 and 0.8 ms against
-// the kernels' 6.6, 4.9 and 4.9 (rank 16: 0.5, 1.1, 0.5 against 3.4, 2.5, 2.5); below it the
-// kernels' single pass over M wins or ties (MKL takes 0.6-3.8 ms at ranks 2-8). A generic BLAS
-// (Debian's torch: 3.6 GFLOP/s) never beats them. The choice depends on the shapes and torch's
-// build alone, so every rank makes the same one.
+// From this rank on, torch's BLAS beats the one-pass kernels when it is MKL: their cost grows
+// with the rank (compute-bound, about 10 GFLOP/s) while MKL's GEMM runs these shapes at about
+// 80 GFLOP/s on one thread. PowerSGD at rank 32 on torch 2.11 (CPU, 2 Gloo ranks): ddpx's
+// overhead 1.68x torch's with the kernels, 0.59-0.73x with MKL's GEMM (docs/benchmarks.md
+// section 2, `bench_powersgd.py --ranks 1,4,32` at e707d0a and ba75511). Below rank 16 the
+// kernels' single pass over M is kept. A generic BLAS (Debian's torch: 3.6 GFLOP/s) never beats
+// them. The choice depends on the shapes and torch's build alone, so every rank makes the same.
 constexpr int64_t kBlasMinRank = 16;
 
 // ddpx's one-pass CPU kernels take contiguous fp32/fp64 tensors of one dtype, at ranks below
