@@ -9,7 +9,7 @@ forward RPC to each owner (sum of p * x over its parameters), ``dist_autograd.ba
 ``opt.step(context_id)``, which alone is timed. The optimizers are interleaved step by step
 (rotating which goes first) on their own copies of the parameters, in one trainer process. The
 "empty RPC" row is the baseline: after the same forward and backward, an RPC of the same shape
-as ddpx's step (a TorchScript function of two ints to each owner, all awaited) that does
+as ddpx's step (a builtin operator of two ints to each owner, all awaited) that does
 nothing; what it costs, and how it grows, is the RPC transport's, not a step's.
 
 ``--forward python`` (default): the owners' forward is a Python function, as in most
@@ -114,28 +114,31 @@ def _busy_stop():
 
 # ---- trainer ------------------------------------------------------------------------------
 def _empty_step(owner_id: int, context_id: int) -> None:
-    pass
+    """Stands for the builtin no-op aten::_ddpx_rpc_noop (registered by ddpx._C) in rpc_async."""
 
 
 # Compiled on import, so in every worker: an RPC names a TorchScript function by its
-# qualified name, which the owner must have compiled too.
+# qualified name, which the owner must have compiled too. (torch's own TorchScript row and
+# --forward script only; ddpx's step and the baseline are builtin operator calls.)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # torch 2.x: TorchScript is deprecated
-    _EMPTY_STEP = torch.jit.script(_empty_step)
     _FORWARD_SCRIPT = torch.jit.script(_forward_script)
 
 
 class _EmptyRpcStep:
     """The baseline row: what a step costs the trainer with nothing to do on the owners, the
-    RPC of the same shape as ddpx's (a TorchScript function of two ints, to each owner at
-    once, all awaited) after the same forward and backward. Whatever grows here under
+    RPC of the same shape as ddpx's (a builtin operator of two ints, aten::_ddpx_rpc_noop, to
+    each owner at once, all awaited) after the same forward and backward. Whatever grows here under
     contention is the RPC transport's, not the step's."""
 
     def __init__(self, owners):
+        from ddpx import _compat
         self._owners = owners
+        self._noop = _compat.rpc_builtin(_empty_step, "aten::_ddpx_rpc_noop")
+        assert self._noop is not None, "torch's RPC builtin table cannot be extended here"
 
     def step(self, context_id):
-        torch.futures.wait_all([rpc.rpc_async(f"worker{o}", _EMPTY_STEP, args=(o, context_id))
+        torch.futures.wait_all([rpc.rpc_async(f"worker{o}", self._noop, args=(o, context_id))
                                 for o in self._owners])
 
 

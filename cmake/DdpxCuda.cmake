@@ -21,9 +21,13 @@ if(NOT DDPX_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_STANDARD 17)
     find_package(CUDAToolkit REQUIRED)
     set(DDPX_HAVE_NVCC ON)
-    # torch's CMake appends -gencode flags for its own choice of architectures to
-    # CMAKE_CUDA_FLAGS; ddpx's targets carry DDPX_CUDA_ARCHS instead (DdpxCudaArchs.cmake).
-    string(REGEX REPLACE "-gencode[ =]arch=[^ ]+" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
+    # torch's CMake sets CMAKE_CUDA_FLAGS (a normal variable over the cache entry) to its own
+    # -gencode choice and the flags its own .cu files need (-DONNX_NAMESPACE, --expt-*,
+    # -Xcudafe suppressions). ddpx's .cu files include no torch header: unsetting the variable
+    # leaves the user's cache entry only, so the kernels compile with the same flags against
+    # every torch (ccache then shares their objects between torch lines), and the architectures
+    # come from DDPX_CUDA_ARCHS per target (DdpxCudaArchs.cmake).
+    unset(CMAKE_CUDA_FLAGS)
     if(NOT DDPX_CUDA_ARCHS)  # an nvcc found only now: choose for it, by the same rules
       ddpx_select_cuda_archs()
     endif()

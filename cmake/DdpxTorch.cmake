@@ -7,7 +7,7 @@
 #
 # Sets: DDPX_PYTHON, DDPX_TORCH_ROOT, DDPX_TORCH_VERSION ("2.11.0"), DDPX_TORCH_CUDA_VERSION ("" for a CPU torch),
 # DDPX_TORCH_ARCH_LIST (the GPU architectures torch was built for, e.g. "75;80;90"),
-# DDPX_COMPAT_INCLUDE_DIR, DDPX_TORCH_HAS_CUDA.
+# DDPX_COMPAT_INCLUDE_DIR, DDPX_TORCH_HAS_CUDA, DDPX_CXX_STANDARD (17, or 20 where torch requires it).
 include(DdpxTorchLibs)
 
 set(_ddpx_py_candidates "${DDPX_PYTHON}" "$ENV{DDPX_PYTHON}" "${Python_EXECUTABLE}")
@@ -72,10 +72,13 @@ include(DdpxCudaArchs)
 ddpx_select_cuda_archs()
 
 find_package(Torch REQUIRED)
-message(STATUS "ddpx: Torch ${Torch_VERSION} (${TORCH_INSTALL_PREFIX}; libtorch ${TORCH_LIBRARY})")
 if(NOT DDPX_TORCH_ROOT)
   set(DDPX_TORCH_ROOT "${TORCH_INSTALL_PREFIX}")
 endif()
+ddpx_fix_torch_link("${DDPX_TORCH_ROOT}")
+ddpx_torch_cxx_standard(DDPX_CXX_STANDARD)
+message(STATUS "ddpx: Torch ${Torch_VERSION} (${TORCH_INSTALL_PREFIX}; libtorch ${TORCH_LIBRARY}); "
+  "C++${DDPX_CXX_STANDARD} for code that includes torch")
 if(NOT DDPX_TORCH_VERSION)
   set(DDPX_TORCH_VERSION "${Torch_VERSION}")
 endif()

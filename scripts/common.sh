@@ -1,37 +1,52 @@
 # Shared by scripts/test.sh, scripts/main.sh and .ci/run: installing dependencies and building
-# ddpx against one of the two torch lines it supports. Source it from the repository root.
+# ddpx against one of the torch lines it supports. Source it from the repository root.
 #
-#   DDPX_TORCH=pip     (default) pip's torch 2.x, pinned in scripts/requirements-torch2.txt,
-#                      in its own venv .venv (no system site packages); CMake tree build/,
-#                      pip build tree build-pip/.
+#   DDPX_TORCH=newest  (default) the newest torch on PyPI, pinned in
+#                      scripts/requirements-torch-newest.txt, in its own venv .venv (no system
+#                      site packages); CMake tree build/, pip build tree build-pip/.
+#   DDPX_TORCH=2.11    pip's torch 2.11 (the GPU machine's), scripts/requirements-torch-2.11.txt:
+#                      .venv-2.11, build-2.11/, build-pip-2.11/.
 #   DDPX_TORCH=debian  Debian's torch 1.13 (apt: python3-torch, libtorch-dev), in .venv-debian
 #                      (--system-site-packages, to see it); trees build-debian/, build-pip-debian/.
 #
+#   DDPX_PYTHON_VERSION=3.12 (pip lines only) makes the venv from that CPython (python3.12 on
+#                      PATH, or pyenv's); its trees get a -py3.12 suffix (.venv-py3.12,
+#                      build-2.11-py3.12/, ...). Default: python3 on PATH, no suffix.
+#
 # Wheels are downloaded once into a wheelhouse outside the repository (DDPX_WHEELHOUSE, default
-# ~/.cache/ddpx/wheels) and installed from it, so a second command, a fresh clone or a rebuilt
-# venv on the same machine downloads nothing. A venv whose requirements are unchanged since
-# it was made is reused as it is.
+# ~/.cache/ddpx/wheels) and installed from it, so a second command, a fresh clone, another line
+# or a rebuilt venv on the same machine downloads only what it lacks. A venv whose requirements
+# and interpreter are unchanged since it was made is reused as it is. ccache (installed below)
+# keeps its objects in one cache for every line; CCACHE_BASEDIR makes paths in this checkout
+# relative, so the torch-free kernels, compiled with the same flags on every line, are compiled
+# once and taken from the cache by the other lines and by fresh clones.
 
-DDPX_TORCH=${DDPX_TORCH:-pip}
+DDPX_TORCH=${DDPX_TORCH:-newest}
+DDPX_PYTHON_VERSION=${DDPX_PYTHON_VERSION:-}
 case "$DDPX_TORCH" in
-  pip)
-    DDPX_VENV=${DDPX_VENV:-.venv}
-    DDPX_BUILD=${DDPX_BUILD:-build}
-    DDPX_PIP_BUILD=${DDPX_PIP_BUILD:-build-pip}
-    ;;
+  newest) _ddpx_line="" ;;
+  2.11) _ddpx_line="-2.11" ;;
   debian)
-    DDPX_VENV=${DDPX_VENV:-.venv-debian}
-    DDPX_BUILD=${DDPX_BUILD:-build-debian}
-    DDPX_PIP_BUILD=${DDPX_PIP_BUILD:-build-pip-debian}
+    _ddpx_line="-debian"
+    if [ -n "$DDPX_PYTHON_VERSION" ]; then
+      echo "ddpx: DDPX_PYTHON_VERSION applies to the pip torch lines; Debian's torch is" \
+        "/usr/bin/python3's" >&2
+      exit 2
+    fi
     ;;
   *)
-    echo "ddpx: DDPX_TORCH must be 'pip' or 'debian', got '$DDPX_TORCH'" >&2
+    echo "ddpx: DDPX_TORCH must be 'newest', '2.11' or 'debian', got '$DDPX_TORCH'" >&2
     exit 2
     ;;
 esac
+[ -n "$DDPX_PYTHON_VERSION" ] && _ddpx_line="$_ddpx_line-py$DDPX_PYTHON_VERSION"
+DDPX_VENV=${DDPX_VENV:-.venv$_ddpx_line}
+DDPX_BUILD=${DDPX_BUILD:-build$_ddpx_line}
+DDPX_PIP_BUILD=${DDPX_PIP_BUILD:-build-pip$_ddpx_line}
 DDPX_PY="$DDPX_VENV/bin/python"
-DDPX_REQUIREMENTS=scripts/requirements-torch2.txt
+DDPX_REQUIREMENTS=scripts/requirements-torch-$DDPX_TORCH.txt
 DDPX_WHEELHOUSE=${DDPX_WHEELHOUSE:-$HOME/.cache/ddpx/wheels}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 
 # Build tools, the C++ test dependencies (GoogleTest, Google Benchmark, Gloo's headers for the
 # C++ tests that build ProcessGroupGloo directly) and python3-venv.
@@ -71,40 +86,54 @@ ddpx_install_deps() {
   ddpx_step "apt: done in $(( $(ddpx_now) - t0 )) s"
 }
 
-# The interpreter to make the pip-torch venv from: $DDPX_BASE_PYTHON, else python3 on PATH,
-# else Debian's (python3-venv is installed above).
+# The interpreter to make a pip-torch venv from: $DDPX_BASE_PYTHON; else, with
+# DDPX_PYTHON_VERSION=X.Y, pythonX.Y on PATH or pyenv's newest X.Y; else python3 on PATH, else
+# Debian's (python3-venv is installed above). It must have venv and ensurepip.
 ddpx_base_python() {
-  local cand
-  for cand in "${DDPX_BASE_PYTHON:-}" python3 /usr/bin/python3; do
+  local cands=("${DDPX_BASE_PYTHON:-}") cand
+  if [ -n "$DDPX_PYTHON_VERSION" ]; then
+    cands+=("python$DDPX_PYTHON_VERSION")
+    for cand in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}/versions/$DDPX_PYTHON_VERSION".*/bin 2>/dev/null \
+        | sort -V -r); do
+      cands+=("$cand/python$DDPX_PYTHON_VERSION")
+    done
+  else
+    cands+=(python3 /usr/bin/python3)
+  fi
+  for cand in "${cands[@]}"; do
     [ -n "$cand" ] || continue
     if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import venv, ensurepip' >/dev/null 2>&1; then
       command -v "$cand"
       return 0
     fi
   done
-  echo "ddpx: no python3 with venv and ensurepip found (install python3-venv)" >&2
+  echo "ddpx: no python${DDPX_PYTHON_VERSION:-3} with venv and ensurepip found" \
+    "(tried: ${cands[*]})" >&2
   return 1
 }
 
-# Creates the venv of the chosen torch line (reused when its requirements are unchanged).
+# Creates the venv of the chosen torch line (reused when its requirements and interpreter are
+# unchanged).
 ddpx_setup_python() {
-  local t0 stamp_file want
+  local t0 stamp_file want base=""
   t0=$(ddpx_now)
   stamp_file="$DDPX_VENV/.ddpx-requirements"
   if [ "$DDPX_TORCH" = debian ]; then
     want="debian-system-site-packages"
   else
-    want=$(sha256sum "$DDPX_REQUIREMENTS" | cut -d' ' -f1)
+    base=$(ddpx_base_python)
+    want="$(cat "$DDPX_REQUIREMENTS" scripts/requirements-common.txt | sha256sum | cut -d' ' -f1)"
+    want="$want $("$base" -c 'import sys; print(sys.version.split()[0])')"
   fi
   if [ -x "$DDPX_PY" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
-    ddpx_step "reusing $DDPX_VENV ($("$DDPX_PY" -W ignore -c 'import torch; print("torch", torch.__version__)'))"
+    ddpx_step "reusing $DDPX_VENV ($(ddpx_describe_python))"
     return 0
   fi
   rm -rf "$DDPX_VENV"
   if [ "$DDPX_TORCH" = debian ]; then
     /usr/bin/python3 -m venv --system-site-packages "$DDPX_VENV"
   else
-    "$(ddpx_base_python)" -m venv "$DDPX_VENV"
+    "$base" -m venv "$DDPX_VENV"
     mkdir -p "$DDPX_WHEELHOUSE"
     ddpx_step "pip: downloading into $DDPX_WHEELHOUSE what is not there yet"
     "$DDPX_PY" -m pip download -q -d "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
@@ -112,7 +141,12 @@ ddpx_setup_python() {
     "$DDPX_PY" -m pip install -q --no-index --find-links "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
   fi
   echo "$want" >"$stamp_file"
-  ddpx_step "$DDPX_VENV ready in $(( $(ddpx_now) - t0 )) s ($("$DDPX_PY" -W ignore -c 'import torch; print("torch", torch.__version__)'))"
+  ddpx_step "$DDPX_VENV ready in $(( $(ddpx_now) - t0 )) s ($(ddpx_describe_python))"
+}
+
+# "torch 2.15.0+cu132, Python 3.11.7" for the venv's interpreter.
+ddpx_describe_python() {
+  "$DDPX_PY" -W ignore -c 'import sys, torch; print("torch", torch.__version__ + ", Python", sys.version.split()[0])'
 }
 
 # Configures and builds the CMake tree $DDPX_BUILD (library, Python module, tests, benchmarks)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The ddpx main job, from a fresh Debian 12 machine: installs what it needs (apt, as root or with
-# sudo, skipped when present; pip torch 2.11 and the job's Python packages into .venv, from a
+# sudo, skipped when present; the newest pip torch and the job's Python packages into .venv, from a
 # wheelhouse shared with scripts/test.sh), pip-installs ddpx into the venv as a user would
 # (build tree build-pip/), then trains an MLP on the `digits` data set with 2 DDP processes
 # (torchrun, Gloo on CPU), once per communication hook, and prints the results table. Then the
@@ -12,8 +12,10 @@
 # owners and stepped by ddpx's and torch's DistributedOptimizer. Outputs: out/results.md,
 # out/results.json, out/loss_curves.png, out/results_cpp.md, out/results_rpc.md.
 #
-#   ./scripts/main.sh                       pip torch 2.x (the primary target)
+#   ./scripts/main.sh                       the newest pip torch (the primary target)
+#   DDPX_TORCH=2.11 ./scripts/main.sh       pip torch 2.11 (.venv-2.11, build-pip-2.11/)
 #   DDPX_TORCH=debian ./scripts/main.sh     Debian's torch 1.13 (.venv-debian, build-pip-debian/)
+# DDPX_PYTHON_VERSION=3.12 picks the interpreter of a pip line (scripts/common.sh).
 #
 # Extra arguments go to examples/train_digits.py (e.g. --epochs 3, --only fp16, --lr 0.1).
 set -euo pipefail
@@ -45,7 +47,7 @@ run_job() {
 # The C++ job: built against the installed package as a C++ user builds it, on the Python job's
 # exported data and settings (the same extra arguments), compared with its final weights.
 run_cpp_job() {
-  local prefix build="build-example${DDPX_TORCH:+-$DDPX_TORCH}" no_python=--no-python
+  local prefix build="build-example$_ddpx_line" no_python=--no-python
   prefix=$(env -u PYTHONPATH "$DDPX_PY" -c "import ddpx; print(ddpx.cmake_prefix_path)")
   cmake -S examples/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$prefix" > "$OUT_DIR/cpp_build.log"

@@ -8,7 +8,7 @@ Two kinds of entries, each saying where it was seen (Debian's torch 1.13.1, whic
 * every private or undocumented torch attribute the package reads, behind a small function.
   No other module of the package reads one, so a torch release that moves one breaks here.
 """
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,22 @@ def record_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
         hooks.append((hook, state))
 
 
+def uses_python_reducer(ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``ddp_model`` was built under ``torch._dynamo.config.optimize_ddp =
+    "python_reducer"`` (torch.compile's compiled-autograd DDP): DDP then never runs its C++
+    Reducer's buckets and calls each registered hook once per gradient as ``hook(state, (grad,
+    param))``, ignoring what it returns. DDP decides it in ``__init__`` (the private
+    ``_use_python_reducer``: 2.11 and 2.15; 1.13 has no such mode)."""
+    return bool(getattr(ddp_model, "_use_python_reducer", False))
+
+
+PYTHON_REDUCER_MESSAGE = (
+    "ddpx's hooks need DDP's gradient buckets, which a DDP model built under "
+    "torch._dynamo.config.optimize_ddp=\"python_reducer\" does not have (DDP then calls hooks once "
+    "per gradient with a (grad, param) tuple; torch's own allreduce_hook fails there too). Build "
+    "the model under the default optimize_ddp=\"ddp_optimizer\": torch.compile works with every "
+    "ddpx hook there, drop-in and native.")
+
 # ---- torch.optim internals read by ddpx.optim.ZeroRedundancyOptimizer ---------------------------
 
 def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -142,3 +158,60 @@ def functional_optimizer_map() -> dict:
 def functional_optimizer_classes() -> tuple:
     """torch's functional optimizer classes, which only ``overlap_with_ddp=True`` accepts."""
     return tuple(functional_optimizer_map().values())
+
+
+# ---- process groups' backends -------------------------------------------------------------------
+
+#: The backend kinds ``backend_kind`` returns for NCCL: torch's classic ``ProcessGroupNCCL``
+#: ("nccl"), torch 2.15's ``ProcessGroupNCCL2`` (what ``"nccl"`` builds there unless
+#: ``TORCH_DIST_USE_NCCL2=0``; also ``"nccl2"``) and its lazy variant ``"nccl-lazy"``.
+NCCL_KINDS = ("nccl", "nccl2", "nccl-lazy")
+
+
+def backend_kind(group: Any, device: Any = None) -> str:
+    """The collective library ``group`` runs ``device``'s tensors on: "gloo", "nccl" (torch's
+    classic ProcessGroupNCCL), "nccl2", "nccl-lazy", another backend's own name, or "none" when
+    the group has no backend for that device type. ``device`` None: the group's default.
+
+    Decided by the backend object's name, never by the name the group was created with: in torch
+    2.15 ``init_process_group("nccl")`` builds a ``ProcessGroupNCCL2`` (its ``name()`` is
+    "nccl2") while ``dist.get_backend`` still says "nccl", and ``"nccl2"``/``"nccl-lazy"`` groups
+    report "custom" as their ProcessGroup's name. torch 1.13's group is its one backend."""
+    if group is None:
+        group = dist.group.WORLD
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is not None:  # torch 2.x
+        if device is None:
+            device = next(iter(getattr(group, "_device_types", ()) or ()), None)
+            if device is None:
+                device = "cpu"
+        try:
+            return str(get_backend(torch.device(device)).name())
+        except RuntimeError:  # "No backend type associated with device type ..."
+            return "none"
+    return str(dist.get_backend(group))
+
+
+def is_nccl(group: Any, device: Any = None) -> bool:
+    """Whether ``group`` runs ``device``'s tensors on NCCL, of any of torch's classes
+    (``NCCL_KINDS``)."""
+    return backend_kind(group, device) in NCCL_KINDS
+
+
+# ---- RPC --------------------------------------------------------------------------------------
+
+def rpc_builtin(stub: Callable, qualified_name: str) -> Optional[Callable]:
+    """Makes ``stub`` stand for the builtin operator ``qualified_name`` (an ``aten::`` operator
+    registered in the JIT's table) in torch's RPC: ``rpc.rpc_async(to, stub, args)`` then sends
+    the operator call, which the callee's agent runs without Python. torch's RPC looks callables
+    up in ``torch.jit._builtins``' table (``_find_builtin``; private, the same in 1.13, 2.11 and
+    2.15), which only knows torch's own functions: ``_register_builtin`` adds ``stub``. The
+    operator must be registered on caller and callee alike (ddpx._C registers ddpx's). Returns
+    ``stub``, or None when that table is missing (the caller falls back)."""
+    try:
+        from torch.jit import _builtins
+        register, find = _builtins._register_builtin, _builtins._find_builtin
+    except (ImportError, AttributeError):
+        return None
+    register(stub, qualified_name)
+    return stub if find(stub) == qualified_name else None

@@ -9,12 +9,14 @@ trainers stepping concurrently, and any Python thread of the owner, serialize on
 
 ddpx keeps the API and the semantics, and runs the remote step in C++: the owner's optimizer is
 a ddpx functional optimizer (``ddpx/optim/rpc_local_optimizer.h``) registered under an id, and the
-RPC the trainer sends is a TorchScript function that fetches the context's gradients
-(``dist_autograd.get_gradients``, itself a TorchScript builtin) and calls the C++ operator
-``torch.ops.ddpx.rpc_optimizer_step``: the RPC agent runs it in the JIT interpreter, without
-Python and without the GIL. Only the construction runs Python on the owners (once). This needs no
-distributed-autograd C++ header, which Debian's torch 1.13 does not ship: the gradients reach C++
-as the ``Dict(Tensor, Tensor)`` the builtin returns, on torch 1.13 and 2.x alike.
+RPC the trainer sends is a call to the builtin operator ``aten::_ddpx_rpc_optimizer_step(id,
+context_id)``, which fetches the context's gradients and steps: torch's RPC agent runs a builtin
+operator on its own thread without Python, so without the owner's GIL. Only the construction runs
+Python on the owners (once). No TorchScript is involved (torch 2.14 deprecates it), and no
+distributed-autograd C++ header, which Debian's torch 1.13 does not ship. Where the builtin cannot
+be registered (``_compat.rpc_builtin``), each step is a Python function on the owner that enters
+C++ at once and releases the GIL there, with a one-time warning: correct, but it takes the owner's
+GIL briefly a few times per step.
 
 Optimizer classes with a C++ form: ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``,
 ``RMSprop``. Any other falls
@@ -32,6 +34,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
+from . import _compat
 from ._loader import _C
 
 __all__ = ["DistributedOptimizer"]
@@ -119,7 +122,6 @@ class _NativeLocalOptimizer:
 
 
 def _new_native_local_optimizer(kind, local_params_rref, args):
-    _native_step()  # compiled here before any step for it can arrive
     local = _NativeLocalOptimizer(kind, local_params_rref, args)
     return rpc.RRef(local), local.id
 
@@ -154,26 +156,31 @@ def _python_local_step(local_rref, autograd_ctx_id):
     local_rref.local_value().step(autograd_ctx_id)
 
 
-_native_step_fn = None
-_native_step_lock = threading.Lock()
+def _python_native_step(optimizer_id: int, autograd_ctx_id: int) -> None:
+    """The step when the builtin is not available: Python on the owner only to enter C++."""
+    _C._rpc_optimizer_step_context(optimizer_id, autograd_ctx_id)
+
+
+def _ddpx_rpc_optimizer_step(optimizer_id: int, autograd_ctx_id: int) -> bool:
+    """The callable trainers pass to ``rpc.rpc_async``: registered as torch's RPC builtin for
+    ``aten::_ddpx_rpc_optimizer_step`` (ddpx._C registers the operator), so the RPC carries the
+    operator call, not this function. Called directly (not over RPC), it runs the step here."""
+    _C._rpc_optimizer_step_context(optimizer_id, autograd_ctx_id)
+    return True
+
+
+_BUILTIN_STEP = _compat.rpc_builtin(_ddpx_rpc_optimizer_step, "aten::_ddpx_rpc_optimizer_step")
 
 
 def _native_step():
-    """The step every trainer sends: TorchScript, so the owner's RPC agent runs it without
-    Python. Compiled on first use, by the trainer before its first step and by each owner when
-    it builds its optimizer (before any step can arrive), under the same qualified name."""
-    global _native_step_fn
-    with _native_step_lock:
-        if _native_step_fn is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch 2.x: TorchScript is deprecated
-                _native_step_fn = torch.jit.script(_ddpx_rpc_optimizer_step)
-        return _native_step_fn
-
-
-def _ddpx_rpc_optimizer_step(optimizer_id: int, autograd_ctx_id: int) -> None:
-    grads = dist_autograd.get_gradients(autograd_ctx_id)
-    torch.ops.ddpx.rpc_optimizer_step(optimizer_id, grads)
+    """What a trainer sends for a native step: the builtin where it could be registered, else the
+    Python fallback (with a one-time warning)."""
+    if _BUILTIN_STEP is not None:
+        return _BUILTIN_STEP
+    _warn_once("no-builtin", "ddpx.optim.DistributedOptimizer: torch's RPC builtin table could "
+                             "not be extended; each step runs a Python function on the owners "
+                             "that releases their GIL at once")
+    return _python_native_step
 
 
 # ---- trainer side ---------------------------------------------------------------------------

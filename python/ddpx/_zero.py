@@ -777,12 +777,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._all_state_dicts.append(_join_tensors(skeleton, [t.cpu() for t in tensors]))
 
     def _comm_device(self) -> torch.device:
-        """Where point-to-point bytes travel: the parameters' device for NCCL (GPU only), the CPU
-        for Gloo (whose send/recv take CPU tensors)."""
+        """Where point-to-point bytes travel: the parameters' device when the group runs it on
+        NCCL (any of torch's NCCL classes; GPU tensors only), else the CPU (Gloo's send/recv take
+        CPU tensors)."""
         if self._default_device.type == "cpu":
             return self._default_device
-        backend = str(dist.get_backend(self.process_group)).lower()
-        return self._default_device if backend == "nccl" else torch.device("cpu")
+        if _compat.is_nccl(self.process_group, self._default_device):
+            return self._default_device
+        return torch.device("cpu")
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole optimizer state (global parameter indices) as last consolidated to this

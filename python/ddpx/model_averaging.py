@@ -253,7 +253,7 @@ class HierarchicalModelAverager(ModelAverager):
         sizes = list(period_group_size_dict.values())
         if sizes[-1] != overall:
             raise ValueError(
-                f"The last value in arg ``period_process_group_dict`` {sizes[-1]} must be equal "
+                f"The last value in arg ``period_group_size_dict`` {sizes[-1]} must be equal "
                 f"to the size of arg ``process_group`` {overall}."
             )
         if warmup_steps < 0:

@@ -2,8 +2,10 @@
 #include "comm/exchange.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <ddpx/common/compat.h>
 
 #include <map>
 #include <mutex>
@@ -70,6 +72,21 @@ void keep_until_current_stream_done(const at::Tensor& t) {
   impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
 }
 
+// The future of a collective's `work` on `device` tensors, taken without making the current
+// stream (DDP's autograd stream, in a hook) wait for the collective. torch 2.15's nccl2 backend
+// makes its future at getFuture(): it has the *current* stream wait for the collective and marks
+// the future complete on that stream, so taken on the autograd stream, every later backward
+// kernel would wait for communication. torch's classic ProcessGroupNCCL and Gloo complete it on
+// their own streams and ignore the current one. Taken with a side stream current, on either the
+// future is CUDA-aware and complete only after the collective's kernels, and its then() callbacks
+// run on a stream that waits for them.
+c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work, const c10::Device& device) {
+  if (device.is_cpu()) return work.getFuture();
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::StreamGuard on_side(impl.getStreamFromGlobalPool(device));
+  return work.getFuture();
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
@@ -86,13 +103,14 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
 
   std::vector<at::Tensor> tensors{values};
   auto work = pg->allreduce(tensors);
-  return work->getFuture()->then(
-      [values, out, scale](c10::ivalue::Future& f) {
-        f.value();  // rethrows a failed collective
-        if (!values.is_same(out) || scale != 1.0) scaled_cast_into(values, out, scale);
-        return c10::IValue(out);
-      },
-      c10::TensorType::get());
+  return future_of(*work, values.device())
+      ->then(
+          [values, out, scale](c10::ivalue::Future& f) {
+            f.value();  // rethrows a failed collective
+            if (!values.is_same(out) || scale != 1.0) scaled_cast_into(values, out, scale);
+            return c10::IValue(out);
+          },
+          c10::TensorType::get());
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
@@ -135,13 +153,14 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
   std::vector<int64_t> out_splits(static_cast<size_t>(world), row_bytes);
   out_splits[static_cast<size_t>(rank)] = 0;
   std::vector<int64_t> in_splits = out_splits;
-  auto work = pg->alltoall_base(recv, send, out_splits, in_splits);
-  return work->getFuture()->then(
-      [sum](c10::ivalue::Future& f) {
-        f.value();  // rethrows a failed collective: then() does not propagate errors itself
-        return sum();
-      },
-      c10::TensorType::get());
+  auto work = compat::all_to_all_single(*pg, recv, send, out_splits, in_splits);
+  return future_of(*work, src.device())
+      ->then(
+          [sum](c10::ivalue::Future& f) {
+            f.value();  // rethrows a failed collective: then() does not propagate errors itself
+            return sum();
+          },
+          c10::TensorType::get());
 }
 
 namespace {
@@ -151,12 +170,13 @@ c10::intrusive_ptr<c10::ivalue::Future> sparse_allreduce_mean(const ProcessGroup
   tensor.div_(pg->getSize());
   std::vector<at::Tensor> tensors{tensor};
   auto work = pg->allreduce(tensors);
-  return work->getFuture()->then(
-      [](c10::ivalue::Future& f) {
-        const c10::IValue v = f.value();  // rethrows a failed collective
-        return c10::IValue(v.isTensor() ? v.toTensor() : v.toTensorVector().at(0));
-      },
-      c10::TensorType::get());
+  return future_of(*work, tensor.device())
+      ->then(
+          [](c10::ivalue::Future& f) {
+            const c10::IValue v = f.value();  // rethrows a failed collective
+            return c10::IValue(v.isTensor() ? v.toTensor() : v.toTensorVector().at(0));
+          },
+          c10::TensorType::get());
 }
 }  // namespace
 

@@ -9,7 +9,8 @@ namespace comm {
 bool backend_sums_natively(const c10d::ProcessGroup& pg, at::ScalarType dtype,
                            const c10::Device& device) {
   const bool is16 = dtype == at::kHalf || dtype == at::kBFloat16;
-  return !(is16 && (device.is_cpu() || compat::backend_name(pg, device.type()) == "gloo"));
+  return !(is16 && (device.is_cpu() ||
+                    compat::backend_kind(pg, device.type()) == compat::BackendKind::kGloo));
 }
 
 ExchangeMode parse_exchange_mode(const std::string& name) {

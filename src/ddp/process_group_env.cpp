@@ -58,10 +58,12 @@ std::unordered_map<const c10d::ProcessGroup*, WorldEntry>& registry() {
   return worlds;
 }
 
-// The backends this build has: "gloo", and "nccl" when built with torch's CUDA and NCCL.
+// The backends this build has: "gloo", and the NCCL names when built with torch's CUDA and NCCL
+// (nccl_group.h; "nccl2" and "nccl-lazy" on a torch that has them).
 bool backend_available(const std::string& backend) {
 #ifdef DDPX_WITH_NCCL
-  if (backend == "nccl") return true;
+  if (backend == "nccl" || backend == "nccl-legacy") return true;
+  if (backend == "nccl2" || backend == "nccl-lazy") return detail::nccl2_available();
 #endif
   return backend == "gloo";
 }
@@ -69,7 +71,9 @@ bool backend_available(const std::string& backend) {
 ProcessGroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
                            int rank, int size, std::chrono::milliseconds timeout) {
 #ifdef DDPX_WITH_NCCL
-  if (backend == "nccl") return detail::make_nccl_group(store, rank, size, timeout);
+  if (detail::is_nccl_backend_name(backend)) {
+    return detail::make_nccl_group(backend, store, rank, size, timeout);
+  }
 #endif
   TORCH_CHECK_VALUE(backend == "gloo", "init_process_group: backend '", backend,
                     "' is not available");
@@ -91,12 +95,13 @@ ProcessGroupPtr init_process_group(const std::string& backend, int rank, int wor
                     master_port, " is outside 1-65535");
   TORCH_CHECK_VALUE(!master_addr.empty(), "init_process_group: the master address is empty");
   TORCH_CHECK_VALUE(timeout.count() > 0, "init_process_group: the timeout must be positive");
-  TORCH_CHECK_VALUE(backend_available(backend), "init_process_group: backend '", backend,
-                    "' is not available in this build of ddpx: \"gloo\"",
+  TORCH_CHECK_VALUE(
+      backend_available(backend), "init_process_group: backend '", backend,
+      "' is not available in this build of ddpx: \"gloo\"",
 #ifdef DDPX_WITH_NCCL
-                    " or \"nccl\""
+      ", \"nccl\" or \"nccl-legacy\" (and \"nccl2\", \"nccl-lazy\" where torch has them)"
 #else
-                    " only (\"nccl\" needs a build against a CUDA torch with NCCL's header)"
+      " only (\"nccl\" needs a build against a CUDA torch with NCCL's header)"
 #endif
   );
   c10d::TCPStoreOptions opts;
@@ -184,12 +189,11 @@ ProcessGroupPtr init_process_group_from_env(const std::string& backend,
                     " is outside 1-65535");
 #ifdef DDPX_WITH_NCCL
   // NCCL: one GPU per process, the LOCAL_RANK-th (torchrun's), current before the group exists.
-  if (backend == "nccl" && std::getenv("LOCAL_RANK") != nullptr) {
+  if (detail::is_nccl_backend_name(backend) && std::getenv("LOCAL_RANK") != nullptr) {
     const int64_t local_rank = env_int("LOCAL_RANK");
     const int devices = detail::cuda_device_count();
-    TORCH_CHECK_VALUE(local_rank >= 0 && local_rank < devices,
-                      "init_process_group_from_env(\"nccl\"): LOCAL_RANK=", local_rank,
-                      " but this process sees ", devices,
+    TORCH_CHECK_VALUE(local_rank >= 0 && local_rank < devices, "init_process_group_from_env(\"",
+                      backend, "\"): LOCAL_RANK=", local_rank, " but this process sees ", devices,
                       " CUDA device(s); NCCL needs one GPU per process");
     detail::set_cuda_device(static_cast<int>(local_rank));
   }

@@ -1,13 +1,19 @@
 // The owner side of ddpx.optim.DistributedOptimizer (ddpx/optim/rpc_local_optimizer.h): the
 // registry calls the Python class makes once per worker (under the GIL: construction only), and
-// the TorchScript operator its steps run through, with no Python on the owner:
+// the operator its steps run as, with no Python on the owner:
 //
-//   ddpx::rpc_optimizer_step(int optimizer_id, Dict(Tensor, Tensor) grads) -> ()
+//   aten::_ddpx_rpc_optimizer_step(int optimizer_id, int context_id) -> bool
 //
-// registered in the JIT's operator table (as torch's own distributed-autograd operators are:
-// aten::get_gradients returns the Dict this takes), so that the TorchScript function an RPC
-// runs, `torch.ops.ddpx.rpc_optimizer_step(id, dist_autograd.get_gradients(ctx))`, calls C++
-// directly on the RPC agent's thread.
+// (it returns true: torch's RPC sends back exactly one value for a builtin, so an operator
+// returning nothing fails on the callee),
+// registered in the JIT's operator table under aten:: because torch's RPC runs a call to a
+// builtin operator on the owner's agent thread without Python, and takes only aten:: names as
+// builtins (the caller matches `aten::` symbols; the callee resolves "torch.ops.aten.<name>"),
+// on torch 1.13, 2.11 and 2.15 alike. The trainer sends it by rpc_async (ddpx/_compat.py
+// registers the Python stub it is called through). It fetches the context's gradients through
+// the operator aten::get_gradients (dist_autograd.get_gradients), found in the same table,
+// since Debian's torch ships no distributed-autograd headers. TorchScript, the path before (a
+// scripted function calling the operator), is deprecated from torch 2.14.
 #include <ATen/core/stack.h>
 #include <ddpx/optim/rpc_local_optimizer.h>
 #include <pybind11/pybind11.h>
@@ -17,6 +23,7 @@
 #include <torch/csrc/jit/runtime/operator.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -26,14 +33,57 @@ namespace ddpx {
 namespace python {
 namespace {
 
-torch::jit::RegisterOperators register_rpc_optimizer_step({torch::jit::Operator(
-    "ddpx::rpc_optimizer_step(int optimizer_id, Dict(Tensor, Tensor) grads) -> ()",
-    [](torch::jit::Stack& stack) {
-      c10::impl::GenericDict grads = torch::jit::pop(stack).toGenericDict();
-      const int64_t id = torch::jit::pop(stack).toInt();
-      optim::step_rpc_local_optimizer(id, c10::impl::toTypedDict<at::Tensor, at::Tensor>(grads));
-    },
-    c10::AliasAnalysisKind::CONSERVATIVE)});
+// The gradients distributed autograd accumulated in context `context_id`, keyed by parameter.
+c10::Dict<at::Tensor, at::Tensor> context_gradients(int64_t context_id) {
+  static const std::shared_ptr<torch::jit::Operator> get_gradients =
+      torch::jit::findOperatorFor(c10::OperatorName("aten::get_gradients", ""));
+  TORCH_CHECK(get_gradients,
+              "ddpx: torch has no operator aten::get_gradients (a torch built "
+              "without distributed autograd)");
+  torch::jit::Stack stack{c10::IValue(context_id)};
+  try {
+    get_gradients->getOperation()(stack);
+  } catch (const c10::Error& e) {
+    // An owner that no forward of this context reached has no such context: a builtin call
+    // carries no autograd metadata (torch sends it without forcing it, unlike a TorchScript
+    // call, which created the context on the owner), and no gradient of its parameters exists
+    // in it. The trainer checked that the context is valid before sending; the step then skips
+    // every parameter, as with an empty context. torch's message is its only signal of this.
+    if (std::string(e.what()).find("Could not find autograd context with id") ==
+        std::string::npos) {
+      throw;
+    }
+    return c10::Dict<at::Tensor, at::Tensor>();
+  }
+  return c10::impl::toTypedDict<at::Tensor, at::Tensor>(torch::jit::pop(stack).toGenericDict());
+}
+
+void step_with_context(int64_t optimizer_id, int64_t context_id) {
+  // An unknown optimizer is the clearer error (an owner shut down, an optimizer deleted): it is
+  // looked up before the context, which such an owner does not have either.
+  (void)optim::rpc_local_optimizer(optimizer_id);
+  optim::step_rpc_local_optimizer(optimizer_id, context_gradients(context_id));
+}
+
+torch::jit::RegisterOperators register_rpc_optimizer_step(
+    {torch::jit::Operator(
+         "aten::_ddpx_rpc_optimizer_step(int optimizer_id, int context_id) -> bool",
+         [](torch::jit::Stack& stack) {
+           const int64_t context_id = torch::jit::pop(stack).toInt();
+           const int64_t optimizer_id = torch::jit::pop(stack).toInt();
+           step_with_context(optimizer_id, context_id);
+           torch::jit::push(stack, true);
+         },
+         c10::AliasAnalysisKind::CONSERVATIVE),
+     // The same shape doing nothing: the baseline of benchmarks/bench_dist_optim.py (what the RPC
+     // of a step costs without the step).
+     torch::jit::Operator(
+         "aten::_ddpx_rpc_noop(int optimizer_id, int context_id) -> bool",
+         [](torch::jit::Stack& stack) {
+           torch::jit::drop(stack, 2);
+           torch::jit::push(stack, true);
+         },
+         c10::AliasAnalysisKind::CONSERVATIVE)});
 
 }  // namespace
 
@@ -61,7 +111,17 @@ void bind_rpc_optim(py::module& m) {
         optim::step_rpc_local_optimizer(id, typed);
       },
       py::arg("optimizer_id"), py::arg("grads"),
-      "What the operator ddpx::rpc_optimizer_step runs, callable from Python (tests).");
+      "Steps optimizer `optimizer_id` with `grads` (a dict parameter -> gradient; tests).");
+  m.def(
+      "_rpc_optimizer_step_context",
+      [](int64_t optimizer_id, int64_t context_id) {
+        py::gil_scoped_release no_gil;
+        step_with_context(optimizer_id, context_id);
+      },
+      py::arg("optimizer_id"), py::arg("context_id"),
+      "What the operator aten::_ddpx_rpc_optimizer_step runs: steps optimizer `optimizer_id` "
+      "with the gradients of distributed autograd context `context_id`, without the GIL (the "
+      "Python fallback path when the builtin cannot be registered).");
   m.def(
       "_rpc_optimizer_state", [](int64_t id) { return optim::rpc_local_optimizer(id)->state(); },
       py::arg("optimizer_id"),

@@ -2,14 +2,20 @@
 # package with find_package(ddpx), run the programs. Usage (see tests/cpp/CMakeLists.txt):
 #   cmake -DDDPX_BUILD_DIR=... -DDDPX_EXAMPLE_SOURCE_DIR=... [-DDDPX_GENERATOR=Ninja]
 #         [-DDDPX_MAKE_PROGRAM=...] [-DDDPX_CXX_COMPILER=...] [-DDDPX_CCACHE=...]
-#         [-DDDPX_TORCH_DIR=...] [-DDDPX_BUILD_TYPE=...] -P run_consumer_example.cmake
+#         [-DDDPX_TORCH_DIR=...] [-DDDPX_BUILD_TYPE=...] [-DDDPX_CXX_STANDARD=17|20]
+#         [-DDDPX_EXAMPLE_BUILD_NAME=_example] -P run_consumer_example.cmake
+# DDPX_CXX_STANDARD: the language level the consumer asks for (CMAKE_CXX_STANDARD); the package
+# raises it to C++20 where its torch requires that.
 cmake_minimum_required(VERSION 3.19)  # COMMAND_ERROR_IS_FATAL
 
 include("${CMAKE_CURRENT_LIST_DIR}/script_args.cmake")
 ddpx_require_script_args(run_consumer_example.cmake DDPX_BUILD_DIR DDPX_EXAMPLE_SOURCE_DIR)
 
-set(_prefix "${DDPX_BUILD_DIR}/_install")
-set(_build "${DDPX_BUILD_DIR}/_example")
+if(NOT DDPX_EXAMPLE_BUILD_NAME)
+  set(DDPX_EXAMPLE_BUILD_NAME _example)
+endif()
+set(_prefix "${DDPX_BUILD_DIR}/${DDPX_EXAMPLE_BUILD_NAME}_install")
+set(_build "${DDPX_BUILD_DIR}/${DDPX_EXAMPLE_BUILD_NAME}")
 
 # 1. Install exactly what a user would get.
 file(REMOVE_RECURSE "${_prefix}")
@@ -35,6 +41,9 @@ if(DDPX_CCACHE)
 endif()
 if(DDPX_BUILD_TYPE)
   list(APPEND _args "-DCMAKE_BUILD_TYPE=${DDPX_BUILD_TYPE}")
+endif()
+if(DDPX_CXX_STANDARD)
+  list(APPEND _args "-DCMAKE_CXX_STANDARD=${DDPX_CXX_STANDARD}")
 endif()
 # A stale cache from another prefix would hide a broken package: start clean.
 file(REMOVE "${_build}/CMakeCache.txt")

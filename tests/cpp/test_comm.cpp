@@ -221,6 +221,79 @@ TEST(ExchangeMode, AsksTheBackendOfTheTensorsDevice) {
 #endif
 }
 
+TEST(BackendKind, EveryNcclClassAndGlooByName) {
+  using ddpx::compat::BackendKind;
+  using ddpx::compat::backend_kind_of;
+  EXPECT_EQ(backend_kind_of("gloo"), BackendKind::kGloo);
+  EXPECT_EQ(backend_kind_of("nccl"), BackendKind::kNccl);
+  EXPECT_EQ(backend_kind_of("nccl2"), BackendKind::kNccl2);
+  EXPECT_EQ(backend_kind_of("nccl-lazy"), BackendKind::kNcclLazy);
+  EXPECT_EQ(backend_kind_of("mpi"), BackendKind::kOther);
+  EXPECT_EQ(backend_kind_of("custom"), BackendKind::kOther);
+  EXPECT_EQ(backend_kind_of(""), BackendKind::kNone);
+  for (auto k : {BackendKind::kNccl, BackendKind::kNccl2, BackendKind::kNcclLazy}) {
+    EXPECT_TRUE(ddpx::compat::is_nccl(k));
+  }
+  for (auto k : {BackendKind::kGloo, BackendKind::kOther, BackendKind::kNone}) {
+    EXPECT_FALSE(ddpx::compat::is_nccl(k));
+  }
+}
+
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+// A backend that has only a name: what ddpx's backend decisions read.
+class NamedBackend final : public ddpx::compat::Backend {
+ public:
+  explicit NamedBackend(std::string name) : Backend(0, 1), name_(std::move(name)) {}
+  const std::string getBackendName() const override { return name_; }
+
+ private:
+  std::string name_;
+};
+#endif
+
+// torch 2.15's "nccl" is another class (nccl2, named so; "nccl-lazy" its lazy variant), and
+// "nccl2"/"nccl-lazy" groups are custom backends whose ProcessGroup reports "custom". The
+// decisions taken for CUDA tensors must be the same for the three NCCL classes: 16-bit values
+// summed by the backend itself (an allreduce), the group named by its backend, not "custom".
+TEST(BackendKind, DecisionsAreTheSameForEveryNcclClass) {
+#if !DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  GTEST_SKIP() << "a torch 1.13 group is one backend";
+#else
+  using ddpx::compat::BackendKind;
+  using Type = c10d::ProcessGroup::BackendType;
+  const c10::Device gpu(c10::DeviceType::CUDA, 0);
+  const std::vector<std::pair<std::string, BackendKind>> classes = {
+      {"nccl", BackendKind::kNccl}, {"nccl2", BackendKind::kNccl2},
+      {"nccl-lazy", BackendKind::kNcclLazy}};
+  for (const auto& [name, kind] : classes) {
+    SCOPED_TRACE(name);
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    // "cpu:gloo,cuda:<name>", as init_process_group assembles a group of two backends.
+    ProcessGroupPtr pg = ddpx::compat::process_group_of(
+        ddpx_test::make_gloo_group(store, 0, 1)->getBackend(c10::DeviceType::CPU), store, 0, 1,
+        {c10::DeviceType::CPU});
+    const Type type = name == "nccl" ? Type::NCCL : Type::CUSTOM;
+    pg->setBackend(c10::DeviceType::CUDA, type, c10::make_intrusive<NamedBackend>(name));
+    pg->setDefaultBackend(type);
+    EXPECT_EQ(ddpx::compat::backend_kind(*pg, c10::DeviceType::CUDA), kind);
+    EXPECT_EQ(ddpx::compat::backend_kind(*pg, c10::DeviceType::CPU), BackendKind::kGloo);
+    EXPECT_EQ(ddpx::compat::backend_name(*pg), name);  // not "custom"
+    EXPECT_TRUE(ddpx::comm::backend_sums_natively(*pg, at::kHalf, gpu));
+    EXPECT_EQ(
+        ddpx::comm::resolve_exchange_mode(ddpx::comm::ExchangeMode::kAuto, *pg, at::kBFloat16, gpu),
+        ddpx::comm::ExchangeMode::kAllreduce);
+    // CPU tensors of the same group still take Gloo's rule (16-bit values gathered).
+    EXPECT_FALSE(ddpx::comm::backend_sums_natively(*pg, at::kHalf, c10::Device(c10::kCPU)));
+  }
+  // A device type without a backend is kNone.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  ProcessGroupPtr cpu_only = ddpx_test::make_gloo_group(store, 0, 1);
+  auto gloo_cpu = ddpx::compat::process_group_of(cpu_only->getBackend(c10::DeviceType::CPU),
+                                                 store, 0, 1, {c10::DeviceType::CPU});
+  EXPECT_EQ(ddpx::compat::backend_kind(*gloo_cpu, c10::DeviceType::CUDA), BackendKind::kNone);
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -309,7 +309,7 @@ def _gil_rank(rank, world_size, init_file):
             warnings.simplefilter("ignore")
             fallback = DistributedOptimizer(torch.optim.Adadelta, [w], lr=0.001)
         assert native.is_native and not fallback.is_native
-        # Warm both paths up (TorchScript compilation, first RPCs) before the busy thread.
+        # Warm both paths up (first RPCs) before the busy thread.
         _const_grad_step(native, "gil", "worker1")
         _const_grad_step(fallback, "gil", "worker1")
         rpc.rpc_sync("worker1", _start_busy_thread, args=(0.5,))
@@ -340,6 +340,57 @@ def test_native_step_does_not_wait_for_the_owners_gil():
     # the C++ path must not.
     assert fallback > 0.1, timings
     assert native < 0.05, timings
+
+
+# ---- no TorchScript ---------------------------------------------------------------------------
+def _no_script(*args, **kwargs):
+    raise RuntimeError("torch.jit.script is not available")
+
+
+def _no_torchscript_rank(rank, world_size, init_file):
+    """TorchScript gone (torch.jit.script raises on every worker, as torch's removal of it will
+    make it) and every warning an error on the trainer: the native steps work through the builtin
+    operator, and through the Python fallback when the builtin cannot be registered. Each step's
+    gradient is all ones, so SGD moves every element by exactly lr."""
+    torch.jit.script = _no_script
+    _init_rpc(rank, world_size, init_file)
+    report = {}
+    if rank == 0:
+        w = rpc.remote("worker1", _make_param, args=("ts", 1, (3, 3)))
+        w.to_here()
+        moves = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.25)
+            report["native"] = opt.is_native
+            for _ in range(2):
+                before = rpc.rpc_sync("worker1", _get_param, args=("ts",))
+                _const_grad_step(opt, "ts", "worker1")
+                moves.append(before - rpc.rpc_sync("worker1", _get_param, args=("ts",)))
+        builtin, ddpx._dist_optim._BUILTIN_STEP = ddpx._dist_optim._BUILTIN_STEP, None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2):
+                    before = rpc.rpc_sync("worker1", _get_param, args=("ts",))
+                    _const_grad_step(opt, "ts", "worker1")
+                    moves.append(before - rpc.rpc_sync("worker1", _get_param, args=("ts",)))
+        finally:
+            ddpx._dist_optim._BUILTIN_STEP = builtin
+        report["moves"] = moves
+        report["fallback_warnings"] = [str(c.message) for c in caught
+                                       if "DistributedOptimizer" in str(c.message)]
+    rpc.shutdown()
+    return report
+
+
+def test_steps_need_no_torchscript():
+    report = _run(_no_torchscript_rank, 2)[0]
+    assert report["native"]
+    for move in report["moves"]:  # two builtin steps, then two through the fallback
+        assert torch.equal(move, torch.full((3, 3), 0.25)), report["moves"]
+    assert len(report["fallback_warnings"]) == 1, report["fallback_warnings"]
+    assert "releases their GIL" in report["fallback_warnings"][0]
 
 
 # ---- fallback and bad input ------------------------------------------------------------------

@@ -59,9 +59,19 @@ inline void disable_flight_recorder_for_thread_ranks() {
   });
 }
 
-// Backend name of a process group ("gloo", "nccl", ...). In torch 2.x a ProcessGroup may wrap
-// several backends; getBackendName() then names the group's default backend.
-inline std::string backend_name(const c10d::ProcessGroup& pg) { return pg.getBackendName(); }
+// Name of a process group's default backend object ("gloo", "nccl", "nccl2", ...). In torch 2.x
+// a ProcessGroup may wrap several backends, and its own getBackendName() names only its
+// BackendType: "custom" for a group made as "nccl2" or "nccl-lazy" (torch 2.15). In 1.13 the
+// group is its one backend.
+inline std::string backend_name(const c10d::ProcessGroup& pg) {
+#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
+  try {
+    if (auto backend = pg.getDefaultBackend()) return backend->getBackendName();
+  } catch (const c10::Error&) {
+  }
+#endif
+  return pg.getBackendName();
+}
 
 namespace detail {
 template <typename... Args>
@@ -167,6 +177,56 @@ inline std::string backend_name(const c10d::ProcessGroup& pg, c10::DeviceType ty
   return pg.getBackendName();
 }
 
+namespace detail {
+template <typename PG, typename = void>
+struct HasAllToAllSingle : std::false_type {};
+template <typename PG>
+struct HasAllToAllSingle<PG, decltype((void)&PG::all_to_all_single)> : std::true_type {};
+}  // namespace detail
+
+// ProcessGroup's all-to-all of one flat tensor with split sizes: torch 2.15 named it
+// all_to_all_single and deprecated alltoall_base, the only name before. Detected by shape.
+template <typename PG>
+c10::intrusive_ptr<c10d::Work> all_to_all_single(PG& pg, at::Tensor& output, at::Tensor& input,
+                                                 std::vector<int64_t>& output_split_sizes,
+                                                 std::vector<int64_t>& input_split_sizes) {
+  if constexpr (detail::HasAllToAllSingle<PG>::value) {
+    return pg.all_to_all_single(output, input, output_split_sizes, input_split_sizes);
+  } else {
+    return pg.alltoall_base(output, input, output_split_sizes, input_split_sizes);
+  }
+}
+
+// The collective library a process group runs one device type's tensors on. NCCL comes as three
+// classes: torch's classic c10d::ProcessGroupNCCL (named "nccl"; in torch 2.15 what "nccl" builds
+// only with TORCH_DIST_USE_NCCL2=0, or "nccl-legacy"), 2.15's c10d::nccl2::ProcessGroupNCCL
+// ("nccl2": what "nccl" builds there by default) and its lazy variant ("nccl-lazy"). They share
+// no C++ base beyond c10d::Backend, and TORCH_DISTRIBUTED_DEBUG=DETAIL wraps any backend in a
+// wrapper that forwards its name: the kind is read from the backend's name, never from a cast.
+enum class BackendKind { kNone, kGloo, kNccl, kNccl2, kNcclLazy, kOther };
+
+// The kind a backend named `name` is ("gloo", "nccl", "nccl2", "nccl-lazy"; "" is kNone).
+inline BackendKind backend_kind_of(const std::string& name) {
+  if (name.empty()) return BackendKind::kNone;
+  if (name == "gloo") return BackendKind::kGloo;
+  if (name == "nccl") return BackendKind::kNccl;
+  if (name == "nccl2") return BackendKind::kNccl2;
+  if (name == "nccl-lazy") return BackendKind::kNcclLazy;
+  return BackendKind::kOther;
+}
+
+// Whether `kind` is NCCL, of any of its classes.
+constexpr bool is_nccl(BackendKind kind) {
+  return kind == BackendKind::kNccl || kind == BackendKind::kNccl2 ||
+         kind == BackendKind::kNcclLazy;
+}
+
+// The kind of backend `pg` runs `type` tensors on (kNone: it has none for them).
+inline BackendKind backend_kind(const c10d::ProcessGroup& pg, c10::DeviceType type) {
+  if (!has_backend_for(pg, type)) return BackendKind::kNone;
+  return backend_kind_of(backend_name(pg, type));
+}
+
 // Whether collectives of `pg` take CPU tensors: a 2.x group with a CPU backend (Gloo, or the CPU
 // half of "cpu:gloo,cuda:nccl"), a 1.13 Gloo (or MPI) group, not NCCL.
 inline bool takes_cpu_tensors(const c10d::ProcessGroup& pg) {
@@ -209,7 +269,8 @@ constexpr bool kRMSpropLerpsGradAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 1);
 struct ReducerArgs {
   std::vector<at::Tensor> params;
   std::vector<std::vector<size_t>> bucket_indices;
-  // Size limit of each bucket of bucket_indices, as compute_bucket_assignment_by_size returns.
+  // Size limit of each bucket of bucket_indices, as compute_bucket_assignment_by_size returns
+  // (taken by torch 1.13's constructor only).
   std::vector<size_t> per_bucket_size_limits;
   ProcessGroupPtr process_group;
   std::vector<bool> expect_sparse_gradients;
@@ -218,29 +279,85 @@ struct ReducerArgs {
   bool gradient_as_bucket_view = false;
   std::unordered_map<size_t, std::string> param_names;
   int64_t first_bucket_bytes_cap = 1024 * 1024;
-  // 2.x only: the limits the one bucket rebuild after the first iteration uses; empty (as
-  // Python DDP passes without bucket_cap_mb_list): first_bucket_bytes_cap, then bucket_bytes_cap.
+  // Taken only where the installed torch's constructor has them (kReducerTakes* below);
+  // make_reducer refuses a value other than the default elsewhere.
+  // The limits the one bucket rebuild after the first iteration uses; empty (as Python DDP
+  // passes without bucket_cap_mb_list): first_bucket_bytes_cap, then bucket_bytes_cap.
   std::vector<int64_t> bucket_bytes_cap_list;
+  // Unused parameters' gradients are not all-reduced (with find_unused_parameters).
+  bool skip_all_reduce_unused_params = false;
+  // Gradients copied into their bucket by one batched copy per bucket.
+  bool batched_grad_copy = false;
+  // Bucket buffers allocated at the first backward instead of at construction.
+  bool lazy_bucket_allocation = false;
 };
 
-// A c10d::Reducer (DDP's C++ engine: autograd hooks, buckets, the comm hook) from `args`.
-inline std::shared_ptr<c10d::Reducer> make_reducer(ReducerArgs args) {
-#if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
-  // 2.x: (..., first_bucket_bytes_cap, skip_all_reduce_unused_params, use_python_reducer,
-  // bucket_bytes_cap_list); per_bucket_size_limits is no longer taken.
-  std::vector<int64_t> limits = std::move(args.bucket_bytes_cap_list);
-  return std::make_shared<c10d::Reducer>(
-      std::move(args.params), std::move(args.bucket_indices), std::move(args.process_group),
-      std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,
-      args.gradient_as_bucket_view, std::move(args.param_names), args.first_bucket_bytes_cap,
-      /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false, std::move(limits));
-#else
-  return std::make_shared<c10d::Reducer>(
-      std::move(args.params), std::move(args.bucket_indices),
-      std::move(args.per_bucket_size_limits), std::move(args.process_group),
-      std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,
-      args.gradient_as_bucket_view, std::move(args.param_names), args.first_bucket_bytes_cap);
-#endif
+namespace detail {
+// Whether c10d::Reducer's constructor takes the arguments every 2.x form begins with, then
+// `Extra...` (true also for a longer form whose further arguments have defaults).
+template <typename... Extra>
+constexpr bool kReducerTakes2x =
+    std::is_constructible<c10d::Reducer, std::vector<at::Tensor>, std::vector<std::vector<size_t>>,
+                          ProcessGroupPtr, std::vector<bool>, int64_t, bool, bool,
+                          std::unordered_map<size_t, std::string>, int64_t, Extra...>::value;
+}  // namespace detail
+
+// The Reducer options of ReducerArgs the installed torch takes, detected by the constructor's
+// shape (2.x appends arguments; seen: 2.11 ends at bucket_bytes_cap_list, 2.15 at
+// lazy_bucket_allocation; 1.13 has none of them).
+constexpr bool kReducerTakesSkipAllReduceUnusedParams = detail::kReducerTakes2x<bool, bool>;
+constexpr bool kReducerTakesBucketBytesCapList =
+    detail::kReducerTakes2x<bool, bool, std::vector<int64_t>>;
+constexpr bool kReducerTakesBatchedGradCopy =
+    detail::kReducerTakes2x<bool, bool, std::vector<int64_t>, bool>;
+constexpr bool kReducerTakesLazyBucketAllocation =
+    detail::kReducerTakes2x<bool, bool, std::vector<int64_t>, bool, bool>;
+
+// A c10d::Reducer (DDP's C++ engine: autograd hooks, buckets, the comm hook) from `args`. An
+// option the installed torch's constructor lacks raises ValueError naming it, unless left at
+// its default. A template only so that the constructor forms this torch lacks are not compiled.
+template <typename R = c10d::Reducer>
+std::shared_ptr<R> make_reducer(ReducerArgs args) {
+  auto refuse = [](bool taken, bool set, const char* name) {
+    TORCH_CHECK_VALUE(taken || !set, name, " needs a torch whose DDP Reducer takes it; torch ",
+                      TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, "'s does not");
+  };
+  refuse(kReducerTakesSkipAllReduceUnusedParams, args.skip_all_reduce_unused_params,
+         "skip_all_reduce_unused_params");
+  refuse(kReducerTakesBucketBytesCapList, !args.bucket_bytes_cap_list.empty(),
+         "bucket_cap_mb_list");
+  refuse(kReducerTakesBatchedGradCopy, args.batched_grad_copy, "batched_grad_copy");
+  refuse(kReducerTakesLazyBucketAllocation, args.lazy_bucket_allocation, "lazy_bucket_allocation");
+  // ddpx's own DDP runs the C++ Reducer, never torch.compile's Python reducer.
+  constexpr bool kUsePythonReducer = false;
+  auto make = [&](auto&&... extra) {
+    return std::make_shared<R>(
+        std::move(args.params), std::move(args.bucket_indices), std::move(args.process_group),
+        std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,
+        args.gradient_as_bucket_view, std::move(args.param_names), args.first_bucket_bytes_cap,
+        std::forward<decltype(extra)>(extra)...);
+  };
+  if constexpr (kReducerTakesLazyBucketAllocation) {
+    return make(args.skip_all_reduce_unused_params, kUsePythonReducer,
+                std::move(args.bucket_bytes_cap_list), args.batched_grad_copy,
+                args.lazy_bucket_allocation);
+  } else if constexpr (kReducerTakesBatchedGradCopy) {
+    return make(args.skip_all_reduce_unused_params, kUsePythonReducer,
+                std::move(args.bucket_bytes_cap_list), args.batched_grad_copy);
+  } else if constexpr (kReducerTakesBucketBytesCapList) {
+    return make(args.skip_all_reduce_unused_params, kUsePythonReducer,
+                std::move(args.bucket_bytes_cap_list));
+  } else if constexpr (kReducerTakesSkipAllReduceUnusedParams) {
+    return make(args.skip_all_reduce_unused_params, kUsePythonReducer);
+  } else {
+    // torch 1.13: per_bucket_size_limits after bucket_indices, nothing after
+    // first_bucket_bytes_cap.
+    return std::make_shared<R>(
+        std::move(args.params), std::move(args.bucket_indices),
+        std::move(args.per_bucket_size_limits), std::move(args.process_group),
+        std::move(args.expect_sparse_gradients), args.bucket_bytes_cap, args.find_unused_parameters,
+        args.gradient_as_bucket_view, std::move(args.param_names), args.first_bucket_bytes_cap);
+  }
 }
 
 // ---- optimizers -----------------------------------------------------------------------------

@@ -15,11 +15,13 @@ namespace ddpx {
 // Python's default process-group timeout (30 minutes).
 constexpr std::chrono::milliseconds kDefaultProcessGroupTimeout{30 * 60 * 1000};
 
-// `backend`: "gloo" (CPU tensors, and CUDA tensors through Gloo), or "nccl" (CUDA tensors) in a
-// build against a CUDA torch with NCCL's header (from_env then makes GPU LOCAL_RANK current);
-// any other is a c10::ValueError. A missing or malformed variable (not an integer, RANK outside
-// [0, WORLD_SIZE), a port outside 1-65535) is a c10::ValueError naming it. Every process of the
-// job must call it; it returns once all have joined (or throws after `timeout`).
+// `backend`: "gloo" (CPU tensors, and CUDA tensors through Gloo), or NCCL (CUDA tensors) in a
+// build against a CUDA torch with NCCL's header (from_env then makes GPU LOCAL_RANK current):
+// "nccl" as Python's (torch 2.15: its nccl2 class unless TORCH_DIST_USE_NCCL2=0; older torch:
+// the classic ProcessGroupNCCL), "nccl-legacy" (the classic class), and on torch 2.15 "nccl2"
+// and "nccl-lazy"; any other is a c10::ValueError. A missing or malformed variable (not an integer,
+// RANK outside [0, WORLD_SIZE), a port outside 1-65535) is a c10::ValueError naming it. Every
+// process of the job must call it; it returns once all have joined (or throws after `timeout`).
 ProcessGroupPtr init_process_group_from_env(
     const std::string& backend, std::chrono::milliseconds timeout = kDefaultProcessGroupTimeout);
 

@@ -1,8 +1,9 @@
 // The owner side of ddpx.optim.DistributedOptimizer (RPC): each worker that owns parameters holds
 // one local optimizer per DistributedOptimizer, registered here under an id, and steps it in C++
 // with the gradients distributed autograd accumulated in a context (dist_autograd.get_gradients,
-// keyed by parameter). A step arrives over RPC as a TorchScript function that calls the operator
-// torch.ops.ddpx.rpc_optimizer_step(id, grads): no Python, so no GIL, on the owner.
+// keyed by parameter). A step arrives over RPC as a call to the builtin operator
+// aten::_ddpx_rpc_optimizer_step(id, context_id), which torch's RPC agent runs without Python:
+// no GIL on the owner (src/python/bind_rpc_optim.cpp).
 //
 // Concurrent steps on one worker (several trainers, or several DistributedOptimizers) are
 // serialized by one lock per process, as torch's _LocalOptimizer.global_lock serializes them:
@@ -72,7 +73,7 @@ void unregister_rpc_local_optimizer(int64_t id);
 // The registered optimizer (c10::ValueError for an unknown id).
 std::shared_ptr<RpcLocalOptimizer> rpc_local_optimizer(int64_t id);
 // Steps optimizer `id` with `grads` under this process's optimizer lock; what the operator
-// ddpx::rpc_optimizer_step runs.
+// aten::_ddpx_rpc_optimizer_step runs.
 void step_rpc_local_optimizer(int64_t id, const c10::Dict<at::Tensor, at::Tensor>& grads);
 
 }  // namespace optim

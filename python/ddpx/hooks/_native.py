@@ -76,6 +76,9 @@ def _call_back(state: Any, callback: str, arg: Any) -> None:
 # ---- hook functions ---------------------------------------------------------------------------
 
 def _run(hook: HookFn, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    if isinstance(bucket, tuple):  # DDP's python_reducer calls hooks with (grad, param)
+        raise TypeError(f"{getattr(hook, '_ddpx_name', hook.__name__)}: "
+                        f"{_compat.PYTHON_REDUCER_MESSAGE}")
     native = native_hook(hook, state)
     _call_back(state, "_ddpx_on_bucket_", bucket)
     # DDP's Python path expects the future to hold a Python object: `then` provides it.
@@ -174,13 +177,17 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
         hook: a ddpx hook, e.g. ``ddpx.hooks.fp16_compress_hook``.
 
     A DDP model takes one communication hook: registering a second one (by either path)
-    raises RuntimeError, as in torch.
+    raises RuntimeError, as in torch. So does a model built for torch.compile's
+    ``optimize_ddp="python_reducer"``, which has no buckets (the default ``"ddp_optimizer"``
+    works).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             "register_comm_hook: ddp_model must be a torch.nn.parallel.DistributedDataParallel, "
             f"got {type(ddp_model).__name__}"
         )
+    if _compat.uses_python_reducer(ddp_model):
+        raise RuntimeError(f"register_comm_hook: {_compat.PYTHON_REDUCER_MESSAGE}")
     native = native_hook(hook, state)
     _call_back(state, "_ddpx_on_register_", ddp_model)
     # The name DDP's logging data records for this hook: the same as on the drop-in path (DDP
