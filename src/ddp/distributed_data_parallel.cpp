@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/logger.hpp>
@@ -106,17 +107,34 @@ void DistributedDataParallel::init() {
                       " tensors, where this module's parameters are; use a \"gloo\" group for "
                       "CPU parameters, \"nccl\" (or \"gloo\") for CUDA ones");
   }
-  check_same_parameters();
-  // Rank 0's parameters and buffers everywhere (Python's _sync_module_states).
-  broadcast(module_states(/*with_buffers=*/true), 0, "DistributedDataParallel");
+  if (options_.init_sync()) {
+    check_same_parameters();
+    // Rank 0's parameters and buffers everywhere (Python's _sync_module_states).
+    broadcast(module_states(/*with_buffers=*/true), 0, "DistributedDataParallel");
+  }
 
   // Buckets by size, as Python DDP assigns them, in reverse (the order gradients arrive).
-  const bool default_cap = !options_.bucket_cap_mb().has_value();
-  const auto cap =
-      static_cast<int64_t>(options_.bucket_cap_mb().value_or(kDefaultBucketCapMb) * 1024 * 1024);
+  // bucket_cap_mb_list: its limits, for this assignment and the Reducer's rebuild, the largest
+  // as the cap (Python's _BucketCapacityConfig).
+  const std::vector<double>& per_bucket_mb = options_.bucket_cap_mb_list();
+  std::vector<int64_t> per_bucket_bytes;
+  for (size_t i = 0; i < per_bucket_mb.size(); ++i) {
+    TORCH_CHECK_VALUE(per_bucket_mb[i] > 0, "DistributedDataParallel: bucket_cap_mb_list[", i,
+                      "] must be positive, got ", per_bucket_mb[i]);
+    per_bucket_bytes.push_back(static_cast<int64_t>(per_bucket_mb[i] * 1024 * 1024));
+  }
+  const bool default_cap = !options_.bucket_cap_mb().has_value() && per_bucket_bytes.empty();
+  const auto cap = per_bucket_bytes.empty()
+                       ? static_cast<int64_t>(
+                             options_.bucket_cap_mb().value_or(kDefaultBucketCapMb) * 1024 * 1024)
+                       : *std::max_element(per_bucket_bytes.begin(), per_bucket_bytes.end());
   std::vector<size_t> limits;
-  if (default_cap) limits.push_back(static_cast<size_t>(kDefaultFirstBucketBytes));
-  limits.push_back(static_cast<size_t>(cap));
+  if (!per_bucket_bytes.empty()) {
+    limits.assign(per_bucket_bytes.begin(), per_bucket_bytes.end());
+  } else {
+    if (default_cap) limits.push_back(static_cast<size_t>(kDefaultFirstBucketBytes));
+    limits.push_back(static_cast<size_t>(cap));
+  }
   const std::vector<bool> sparse(params_.size(), false);
   auto assignment = c10d::compute_bucket_assignment_by_size(params_, limits, sparse);
   auto bucket_indices = std::get<0>(assignment);
@@ -135,6 +153,10 @@ void DistributedDataParallel::init() {
   args.gradient_as_bucket_view = options_.gradient_as_bucket_view();
   args.param_names = std::move(names);
   args.first_bucket_bytes_cap = default_cap ? kDefaultFirstBucketBytes : cap;
+  args.bucket_bytes_cap_list = std::move(per_bucket_bytes);
+  args.skip_all_reduce_unused_params = options_.skip_all_reduce_unused_params();
+  args.batched_grad_copy = options_.batched_grad_copy();
+  args.lazy_bucket_allocation = options_.lazy_bucket_allocation();
   reducer_ = compat::make_reducer(std::move(args));
   logger_ = std::make_shared<c10d::Logger>(reducer_);
   reducer_->set_logger(logger_);

@@ -222,8 +222,8 @@ TEST(ExchangeMode, AsksTheBackendOfTheTensorsDevice) {
 }
 
 TEST(BackendKind, EveryNcclClassAndGlooByName) {
-  using ddpx::compat::BackendKind;
   using ddpx::compat::backend_kind_of;
+  using ddpx::compat::BackendKind;
   EXPECT_EQ(backend_kind_of("gloo"), BackendKind::kGloo);
   EXPECT_EQ(backend_kind_of("nccl"), BackendKind::kNccl);
   EXPECT_EQ(backend_kind_of("nccl2"), BackendKind::kNccl2);
@@ -263,7 +263,8 @@ TEST(BackendKind, DecisionsAreTheSameForEveryNcclClass) {
   using Type = c10d::ProcessGroup::BackendType;
   const c10::Device gpu(c10::DeviceType::CUDA, 0);
   const std::vector<std::pair<std::string, BackendKind>> classes = {
-      {"nccl", BackendKind::kNccl}, {"nccl2", BackendKind::kNccl2},
+      {"nccl", BackendKind::kNccl},
+      {"nccl2", BackendKind::kNccl2},
       {"nccl-lazy", BackendKind::kNcclLazy}};
   for (const auto& [name, kind] : classes) {
     SCOPED_TRACE(name);
@@ -288,8 +289,8 @@ TEST(BackendKind, DecisionsAreTheSameForEveryNcclClass) {
   // A device type without a backend is kNone.
   auto store = c10::make_intrusive<c10d::HashStore>();
   ProcessGroupPtr cpu_only = ddpx_test::make_gloo_group(store, 0, 1);
-  auto gloo_cpu = ddpx::compat::process_group_of(cpu_only->getBackend(c10::DeviceType::CPU),
-                                                 store, 0, 1, {c10::DeviceType::CPU});
+  auto gloo_cpu = ddpx::compat::process_group_of(cpu_only->getBackend(c10::DeviceType::CPU), store,
+                                                 0, 1, {c10::DeviceType::CPU});
   EXPECT_EQ(ddpx::compat::backend_kind(*gloo_cpu, c10::DeviceType::CUDA), BackendKind::kNone);
 #endif
 }

@@ -119,7 +119,7 @@ struct Variant {
 
 std::vector<Variant> variants() {
   auto none = [](DistributedDataParallel&, const ProcessGroupPtr&) {};
-  return {
+  std::vector<Variant> out = {
       {"default", [] { return DDPOptions(); }, none, 1e-6},
       {"small buckets", [] { return DDPOptions().bucket_cap_mb(0.002); }, none, 1e-6},
       {"gradient_as_bucket_view",
@@ -141,6 +141,33 @@ std::vector<Variant> variants() {
        },
        2e-3},
   };
+  // The Reducer options that only some torches take: tested where the installed one does.
+  if (ddpx::compat::kReducerTakesBucketBytesCapList) {
+    out.push_back({"bucket_cap_mb_list",
+                   [] {
+                     return DDPOptions().bucket_cap_mb_list({0.001, 0.003});
+                   },
+                   none, 1e-6});
+  }
+  if (ddpx::compat::kReducerTakesSkipAllReduceUnusedParams) {
+    out.push_back({"skip_all_reduce_unused_params",
+                   [] {
+                     return DDPOptions().find_unused_parameters(true).skip_all_reduce_unused_params(
+                         true);
+                   },
+                   none, 1e-6});
+  }
+  if (ddpx::compat::kReducerTakesBatchedGradCopy) {
+    out.push_back({"batched_grad_copy",
+                   [] { return DDPOptions().bucket_cap_mb(0.002).batched_grad_copy(true); }, none,
+                   1e-6});
+  }
+  if (ddpx::compat::kReducerTakesLazyBucketAllocation) {
+    out.push_back({"lazy_bucket_allocation",
+                   [] { return DDPOptions().bucket_cap_mb(0.002).lazy_bucket_allocation(true); },
+                   none, 1e-6});
+  }
+  return out;
 }
 
 TEST(DistributedDataParallel, GradientsAreTheMeanOfTheRanksLocalGradients) {
@@ -167,6 +194,53 @@ TEST(DistributedDataParallel, GradientsAreTheMeanOfTheRanksLocalGradients) {
       });
     }
   }
+}
+
+// init_sync(false): no check across ranks and no broadcast, each rank keeps its own values.
+TEST(DistributedDataParallel, WithoutInitSyncEachRankKeepsItsParameters) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto net = make_net(rank);
+    DistributedDataParallel ddp(net, pg, DDPOptions().init_sync(false));
+    const auto own = make_net(rank)->parameters();
+    for (size_t i = 0; i < own.size(); ++i) {
+      EXPECT_TRUE(at::equal(net->parameters()[i], own[i])) << "rank " << rank << ", " << i;
+    }
+    // Training still averages the gradients.
+    const auto snapshot = params_of(*net);
+    ddp.forward(input_of(rank, 0)).pow(2).sum().backward();
+    std::vector<at::Tensor> local = grads_over(snapshot, {rank}, {0}, 1.0);
+    EXPECT_FALSE(at::equal(net->parameters()[0].grad(), local[0]));  // not only this rank's
+  });
+}
+
+// An option the installed torch's Reducer does not take is a ValueError naming it, on every rank
+// and before any collective of the Reducer.
+TEST(DistributedDataParallel, ReducerOptionsThisTorchLacksAreRefused) {
+  std::vector<std::pair<std::string, DDPOptions>> lacking;
+  if (!ddpx::compat::kReducerTakesBucketBytesCapList) {
+    lacking.emplace_back("bucket_cap_mb_list", DDPOptions().bucket_cap_mb_list({1.0}));
+  }
+  if (!ddpx::compat::kReducerTakesSkipAllReduceUnusedParams) {
+    lacking.emplace_back("skip_all_reduce_unused_params",
+                         DDPOptions().skip_all_reduce_unused_params(true));
+  }
+  if (!ddpx::compat::kReducerTakesBatchedGradCopy) {
+    lacking.emplace_back("batched_grad_copy", DDPOptions().batched_grad_copy(true));
+  }
+  if (!ddpx::compat::kReducerTakesLazyBucketAllocation) {
+    lacking.emplace_back("lazy_bucket_allocation", DDPOptions().lazy_bucket_allocation(true));
+  }
+  if (lacking.empty()) GTEST_SKIP() << "this torch's Reducer takes every option";
+  ddpx_test::run_ranks(2, [&](int, const ProcessGroupPtr& pg) {
+    for (const auto& [name, options] : lacking) {
+      try {
+        DistributedDataParallel ddp(make_net(0), pg, options);
+        ADD_FAILURE() << name << ": no error";
+      } catch (const c10::ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      }
+    }
+  });
 }
 
 TEST(DistributedDataParallel, NoSyncAccumulatesLocally) {
@@ -413,6 +487,9 @@ TEST(DistributedDataParallel, BadInput) {
     EXPECT_THROW(DistributedDataParallel(make_net(0), ProcessGroupPtr()), c10::ValueError);
     EXPECT_THROW(DistributedDataParallel(make_net(0), pg, DDPOptions().bucket_cap_mb(0)),
                  c10::ValueError);
+    EXPECT_THROW(
+        DistributedDataParallel(make_net(0), pg, DDPOptions().bucket_cap_mb_list({1.0, -1.0})),
+        c10::ValueError);
     // A second hook.
     DistributedDataParallel ddp(make_net(0), pg);
     ddp.register_comm_hook(ddpx::hooks::allreduce_hook(pg));

@@ -52,6 +52,16 @@ class DDPOptions {
   }
   const std::optional<double>& bucket_cap_mb() const { return bucket_cap_mb_; }
 
+  // Python's bucket_cap_mb_list: one size limit per bucket in MiB, in the order gradients
+  // arrive (the last repeats for further buckets), for the first bucket assignment and the
+  // rebuild after the first iteration alike; bucket_cap_mb is then ignored. Needs a torch whose
+  // Reducer takes per-bucket limits (2.x; ValueError on 1.13). Empty (the default): unset.
+  DDPOptions& bucket_cap_mb_list(std::vector<double> mb) {
+    bucket_cap_mb_list_ = std::move(mb);
+    return *this;
+  }
+  const std::vector<double>& bucket_cap_mb_list() const { return bucket_cap_mb_list_; }
+
 #define DDPX_DDP_FLAG(name, default_value) \
   DDPOptions& name(bool value) {           \
     name##_ = value;                       \
@@ -67,10 +77,22 @@ class DDPOptions {
   DDPX_DDP_FLAG(gradient_as_bucket_view, false)
   DDPX_DDP_FLAG(static_graph, false)
   DDPX_DDP_FLAG(broadcast_buffers, true)
+  // false: the constructor neither checks that every rank has the same parameters nor
+  // broadcasts rank 0's (Python's init_sync; the caller has made them equal).
+  DDPX_DDP_FLAG(init_sync, true)
+  // The Reducer options of Python's DDP of the same names, each taken only where the installed
+  // torch's Reducer has it (ddpx::compat::kReducerTakes*; set elsewhere: c10::ValueError at
+  // construction, naming it): unused parameters' gradients not all-reduced (with
+  // find_unused_parameters; torch 2.x), gradients copied into a bucket by one batched copy, and
+  // bucket buffers allocated at the first backward (torch 2.15).
+  DDPX_DDP_FLAG(skip_all_reduce_unused_params, false)
+  DDPX_DDP_FLAG(batched_grad_copy, false)
+  DDPX_DDP_FLAG(lazy_bucket_allocation, false)
 #undef DDPX_DDP_FLAG
 
  private:
   std::optional<double> bucket_cap_mb_;
+  std::vector<double> bucket_cap_mb_list_;
 };
 
 // torch.distributed.algorithms.Join's arguments, for DistributedDataParallel::join.
