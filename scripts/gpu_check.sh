@@ -118,6 +118,19 @@ skip_step() {
   write_summary
 }
 
+# A step that does not apply to this machine (not a failure): recorded as not applicable.
+na_step() {
+  N=$((N + 1))
+  STEPS+=("$1|N/A($2)|0|-")
+  echo "== [$1] not applicable: $2"
+  write_summary
+}
+
+# torch 2.15's "nccl" is its nccl2 class unless TORCH_DIST_USE_NCCL2=0 (the classic
+# ProcessGroupNCCL): where torch has both, the NCCL steps run once more with the other class.
+HAS_NCCL2=$("$PY" -c 'import torch.distributed as d; print(int(hasattr(d, "ProcessGroupNCCL2")))' \
+  2>/dev/null || echo 0)
+
 # ---- 1. the machine -------------------------------------------------------------------------
 run_step env 20 "
   set -x
@@ -179,6 +192,12 @@ if [ "$HAVE_GTEST" = ON ] && [ -f "$BUILD/CTestTestfile.cmake" ]; then
   # LOCAL_RANK): one process, 4 steps, replicas checked (its first run on a GPU).
   run_step ddp_cpp_nccl 40 "'$PY' -m torch.distributed.run --standalone --nproc_per_node=1 \
     --no-python '$BUILD/tests/cpp/ddp_torchrun_job' nccl"
+  if [ "$HAS_NCCL2" = 1 ]; then
+    run_step ddp_cpp_nccl_legacy 40 "TORCH_DIST_USE_NCCL2=0 '$PY' -m torch.distributed.run \
+      --standalone --nproc_per_node=1 --no-python '$BUILD/tests/cpp/ddp_torchrun_job' nccl"
+  else
+    na_step ddp_cpp_nccl_legacy "torch has one NCCL class"
+  fi
 else
   skip_step ctest_cuda "GoogleTest missing or not configured"
   skip_step ddp_cpp_nccl "GoogleTest missing or not configured"
@@ -186,6 +205,13 @@ fi
 if [ "$BUILD_OK" = 1 ]; then
   run_step pytest_cuda 150 "PYTHONPATH='$BUILD/python' '$PY' -m pytest tests/python -q -x \
     -k 'cuda or nccl' --ignore=tests/python/test_cuda_dist_optim.py -p no:cacheprovider" 5
+  if [ "$HAS_NCCL2" = 1 ]; then
+    run_step pytest_nccl_legacy 90 "TORCH_DIST_USE_NCCL2=0 PYTHONPATH='$BUILD/python' '$PY' -m \
+      pytest tests/python -q -x -k nccl --ignore=tests/python/test_cuda_dist_optim.py \
+      -p no:cacheprovider" 5
+  else
+    na_step pytest_nccl_legacy "torch has one NCCL class"
+  fi
   # The RPC DistributedOptimizer on CUDA parameters (3 TensorPipe workers on the one GPU with
   # device maps, ddpx vs torch): its own step, so that a slow RPC start cannot cut the above.
   run_step pytest_cuda_rpc 60 "PYTHONPATH='$BUILD/python' '$PY' -m pytest \

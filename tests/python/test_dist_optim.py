@@ -297,7 +297,7 @@ _BUSY = {}
 
 
 def _gil_rank(rank, world_size, init_file):
-    """Worker 1 owns a weight and runs a Python thread that holds its GIL 0.5 s at a time;
+    """Worker 1 owns a weight and runs a Python thread that holds its GIL 0.25 s at a time;
     worker 0 times steps through the C++ path and through the Python fallback."""
     _init_rpc(rank, world_size, init_file)
     timings = None
@@ -312,11 +312,11 @@ def _gil_rank(rank, world_size, init_file):
         # Warm both paths up (first RPCs) before the busy thread.
         _const_grad_step(native, "gil", "worker1")
         _const_grad_step(fallback, "gil", "worker1")
-        rpc.rpc_sync("worker1", _start_busy_thread, args=(0.5,))
+        rpc.rpc_sync("worker1", _start_busy_thread, args=(0.25,))
         timings = {}
         for name, opt in (("native", native), ("fallback", fallback)):
             times = []
-            for _ in range(6):
+            for _ in range(4):
                 with dist_autograd.context() as cid:
                     # The forward is an RPC of its own (Python on the owner): only the step is
                     # timed.
