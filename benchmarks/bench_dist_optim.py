@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """RPC DistributedOptimizer step latency: ddpx's (owners step in C++, no GIL) vs torch's, its
-TorchScript functional path (torch's default for Adam) and its Python path, with and without
-GIL contention on the owners.
+functional path (torch's default for Adam: TorchScript up to torch 2.14, Python in 2.15) and its
+Python path, with and without GIL contention on the owners.
 
 3 workers on loopback (TensorPipe): worker0 trains, workers 1 and 2 own ``--tensors`` parameter
 tensors between them (``--numel`` elements each). Each step: a distributed-autograd context, a
@@ -55,7 +55,15 @@ from torch.distributed.rpc import RRef
 _PARAMS = {}
 _BUSY = {}
 # --impls names -> the rows' names
-_IMPLS = {"torchscript": "torch TorchScript", "python": "torch Python", "ddpx": "ddpx C++",
+# torch's default for Adam is its functional optimizer: stepped in TorchScript up to torch 2.14,
+# in Python from 2.15 on (torch dropped the scripted local optimizer; it steps under the owners'
+# GIL like any other optimizer there). The row says which this torch has.
+import torch.distributed.optim.optimizer as _torch_dist_optim  # noqa: E402
+
+_TORCH_FUNCTIONAL = ("torch functional (TorchScript)"
+                     if hasattr(_torch_dist_optim, "_ScriptLocalOptimizer")
+                     else "torch functional (Python)")
+_IMPLS = {"torchscript": _TORCH_FUNCTIONAL, "python": "torch Python", "ddpx": "ddpx C++",
           "empty": "empty RPC (baseline)"}
 
 

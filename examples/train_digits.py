@@ -909,8 +909,8 @@ def render_markdown(rows, meta) -> str:
             "never compressed. torch's powerSGD_hook runs with its DDP model in one bucket: with "
             "several buckets on Gloo it issues collectives from future callbacks in an order "
             "the ranks can disagree on (gloo::EnforceNotMet or a hang); ddpx's hooks use DDP's "
-            "default buckets. torch's batched_powerSGD_hook is not in the table: torch's (1.13 "
-            "and 2.11 alike) fails with an AssertionError in _orthogonalize.")
+            "default buckets. torch's batched_powerSGD_hook is not in the table: torch's (1.13, "
+            "2.11 and 2.15 alike) fails with an AssertionError in _orthogonalize.")
     notes = meta.get("notes") or []
     for n in notes:
         lines.append(f"- {n}")

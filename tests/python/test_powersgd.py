@@ -442,7 +442,7 @@ def test_batched_resume_runs(name):
 @pytest.mark.skipif(tc.TORCH_BATCHED_POWERSGD_WORKS,
                     reason="this torch's batched_powerSGD_hook does not crash")
 def test_torch_batched_hook_crashes():
-    """torch's own batched_powerSGD_hook (1.13 and 2.11 alike) fails on its first compressed
+    """torch's own batched_powerSGD_hook (1.13, 2.11 and 2.15 alike) fails on its first compressed
     step: it hands the 2-D Q to _orthogonalize, which asserts a 3-D batch. torch 1.13 reports
     it as a RuntimeError carrying the AssertionError's traceback, 2.x as the AssertionError."""
     for res in run_ranks(pc.rank_torch_batched, 2):

@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - both supported torches come with numpy
 
 logger = logging.getLogger(__name__)
 
-# torch's PowerSGDState.__slots__, in torch's order (the same in torch 1.13 and 2.11).
+# torch's PowerSGDState.__slots__, in torch's order (the same in torch 1.13, 2.11 and 2.15).
 _TORCH_SLOTS = (
     "process_group",
     "matrix_approximation_rank",
