@@ -22,6 +22,7 @@ the table = adding one ``Config`` to ``CONFIGS``.
 Outputs (rank 0): out/results.md, out/results.json, out/loss_curves.png.
 """
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -317,7 +318,7 @@ def local_subgroup(args: argparse.Namespace) -> Any:
     return _SUBGROUP["group"]
 
 
-def local_sgd(name: str, registration: str, ddpx_side: bool) -> Config:
+def local_sgd(name: str, registration: str, ddpx_side: bool, hierarchical: bool = False) -> Config:
     """A post-local SGD row: PostLocalSGDState(process_group=None, subgroup=local_subgroup(),
     start_localSGD_iter=--localsgd-start) with post_localSGD_hook, and SGD (as every other row)
     wrapped in PostLocalSGDOptimizer(PeriodicModelAverager(--localsgd-period, warmup_steps =
@@ -335,6 +336,18 @@ def local_sgd(name: str, registration: str, ddpx_side: bool) -> Config:
 
     def make_optimizer(ddp: DDP, args: argparse.Namespace) -> torch.optim.Optimizer:
         sgd = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+        if ddpx_side and hierarchical:
+            # Two levels: the subgroup every period/2 steps, the whole world every period
+            # steps (the last step is one of those, so the scored replicas are averaged).
+            levels = collections.OrderedDict(
+                [(max(1, args.localsgd_period // 2), args.localsgd_subgroup),
+                 (args.localsgd_period, dist.get_world_size())])
+            averager = ddpx.model_averaging.HierarchicalModelAverager(
+                period_group_size_dict=levels, warmup_steps=args.localsgd_start)
+            opt = ddpx.optim.PostLocalSGDOptimizer(sgd, averager)
+            if not hasattr(opt, "averager"):  # local_sgd_wire reads it
+                opt.averager = averager
+            return opt
         if ddpx_side:
             averager = ddpx.model_averaging.PeriodicModelAverager(
                 period=args.localsgd_period, warmup_steps=args.localsgd_start)
@@ -461,6 +474,30 @@ CONFIGS: List[Config] = [
     zero_row("ddpx ZeroRedundancyOptimizer, balanced", ddpx_side=True, partition="balanced"),
     zero2_row("ddpx ZeRO-2 reduce_scatter_hook, balanced", partition="balanced"),
     Config("ddpx noop_hook", "native", native(H.noop_hook), wire_none, compression=None,
+           synchronises=False),
+]
+
+# With --coverage (the multi-node tests): every ddpx hook in the registration the table above
+# leaves out, the bf16 wrapper, the hierarchical averager. Not in the main job's table: these
+# rows repeat trajectories that are already there (a drop-in row ends bit-identical to its
+# native row).
+COVERAGE_CONFIGS: List[Config] = [
+    Config("ddpx bf16_compress_hook", "drop-in", drop_in(H.bf16_compress_hook), wire_ddpx_16bit,
+           compression=2.0),
+    Config("ddpx fp16_compress_wrapper(allreduce_hook)", "drop-in",
+           drop_in(H.fp16_compress_wrapper(H.allreduce_hook)), wire_ddpx_16bit, compression=2.0),
+    Config("ddpx bf16_compress_wrapper(allreduce_hook)", "native",
+           native(H.bf16_compress_wrapper(H.allreduce_hook)), wire_ddpx_16bit, compression=2.0),
+    Config("ddpx bf16_compress_wrapper(allreduce_hook)", "drop-in",
+           drop_in(H.bf16_compress_wrapper(H.allreduce_hook)), wire_ddpx_16bit, compression=2.0),
+    psgd("ddpx powerSGD_hook", "drop-in", H.powerSGD_hook, 2),
+    psgd("ddpx batched_powerSGD_hook", "drop-in", H.batched_powerSGD_hook, 1),
+    psgd("ddpx bf16_compress_wrapper(powerSGD_hook)", "native",
+         H.bf16_compress_wrapper(H.powerSGD_hook), 2, wire=wire_powersgd_16bit,
+         compression=2.0),
+    local_sgd("ddpx post_localSGD_hook + PostLocalSGDOptimizer(HierarchicalModelAverager)",
+              "native", ddpx_side=True, hierarchical=True),
+    Config("ddpx noop_hook", "drop-in", drop_in(H.noop_hook), wire_none, compression=None,
            synchronises=False),
 ]
 
@@ -645,8 +682,10 @@ class Run:
         compression column = an fp32 allreduce step's bytes / this row's mean bytes per step."""
         steps = len(self.step_ms)
         averager = self.opt.averager
-        start, period, warm = (self.state.start_localSGD_iter, averager.period,
-                               averager.warmup_steps)
+        # A hierarchical averager: its global level (the subgroup levels of the coverage row
+        # are single ranks, which send nothing).
+        period = getattr(averager, "period", None) or max(averager.period_process_group_dict)
+        start, warm = self.state.start_localSGD_iter, averager.warmup_steps
         avg_steps = sum(1 for k in range(steps) if k >= warm and (k - warm) % period == 0)
         # The hook's iter counts the global-allreduce steps and stops at start_localSGD_iter.
         assert self.state.iter == min(start, steps), (self.state.iter, start, steps)
@@ -982,6 +1021,12 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--only", default="", help="comma-separated substrings: run matching "
                    "configurations only (the first configuration always runs: the baseline)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads per rank on CPU (default: the cores shared among the "
+                   "node's ranks)")
+    p.add_argument("--coverage", action="store_true",
+                   help="also run COVERAGE_CONFIGS (every ddpx hook in both registrations; the "
+                   "multi-node tests)")
     p.add_argument("--save-final-weights", default="", metavar="FILE",
                    help="rank 0 saves every row's final weights (flattened, float32) there, "
                    "keyed '<hook> (<registration>)': the C++ job's --compare file")
@@ -1032,8 +1077,9 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        # The ranks share the machine's cores: one share each, no oversubscription.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # The ranks share the machine's cores: one share each, no oversubscription (or
+        # --threads: runs compared bit for bit across launch layouts fix it).
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     if "MASTER_ADDR" not in os.environ:  # plain `python train_digits.py`: one rank
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
     dist.init_process_group(backend, rank=rank, world_size=world)
@@ -1067,10 +1113,10 @@ def main(argv=None) -> int:
     probe = probe_buckets(make_model, data[0], data[1], device)
     log(f"buckets seen by a hook: {[(b['numel'], b['dtype']) for b in probe]}")
 
-    configs = CONFIGS
+    configs = CONFIGS + (COVERAGE_CONFIGS if args.coverage else [])
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
-        configs = [CONFIGS[0]] + [c for c in CONFIGS[1:]
+        configs = [configs[0]] + [c for c in configs[1:]
                                   if any(k in f"{c.name} {c.registration}" for k in keys)]
     t_job = time.perf_counter()
     rows = train_all(configs, args, make_model, data, device, ctx, rank, world, log)

@@ -141,6 +141,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--compare", default="", help="the DDP job's --save-final-weights file")
+    p.add_argument("--save-final-weights", default="", metavar="FILE",
+                   help="the trainer saves each row's final weights (flattened) there")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != 3:
@@ -179,6 +181,8 @@ def main() -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results_rpc.md"), "w") as f:
             f.write(md)
+        if args.save_final_weights:
+            torch.save({r["name"]: r["weights"] for r in rows}, args.save_final_weights)
     rpc.shutdown()
     return 0
 

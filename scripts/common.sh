@@ -49,11 +49,12 @@ DDPX_WHEELHOUSE=${DDPX_WHEELHOUSE:-$HOME/.cache/ddpx/wheels}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 
 # Build tools, the C++ test dependencies (GoogleTest, Google Benchmark, Gloo's headers for the
-# C++ tests that build ProcessGroupGloo directly) and python3-venv.
+# C++ tests that build ProcessGroupGloo directly), python3-venv, and iproute2 (ip, tc) for the
+# multi-node harness (scripts/multinode.py).
 DDPX_APT_PACKAGES=(
   cmake ninja-build g++ ccache git clang-format
   libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev
-  python3-venv python3-pip
+  python3-venv python3-pip iproute2
 )
 # Debian's torch 1.13 line, and the Python packages its tests and main job use.
 DDPX_APT_PACKAGES_DEBIAN=(

@@ -16,6 +16,10 @@ the nodes have no default route, and the switch is an isolated bridge. Everythin
 exit (``ip netns del``), even after an error or a timeout; ``cleanup --prefix P`` removes what
 a killed run left.
 
+Each node also has a UTS namespace of its own, its host name being the namespace's name, and
+resolves the nodes' names through ``/etc/netns/<ns>/hosts`` (which ``ip netns exec`` mounts
+over ``/etc/hosts``; removed with the namespace).
+
 torchrun on every node: ``--nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint
 <node 0>:<port> --local-addr <node's address>`` (without it the workers are given the machine's
 hostname as MASTER_ADDR, which resolves outside the namespace, and hang), ``--rdzv-conf
@@ -23,8 +27,9 @@ is_host=1`` on node 0 only (the hostname resolves to another address, so torchru
 host the store itself), ``GLOO_SOCKET_IFNAME=eth0`` and ``TP_SOCKET_IFNAME=eth0``. The job's
 bytes on the wire are read from each node's interface counters (/proc/net/dev in the node).
 
-Needs root (namespaces, links, qdiscs), ``ip`` and ``tc`` (iproute2) and a kernel with veth,
-bridge and tbf: ``check`` says which is missing. The module is also imported by the multi-node
+Needs root (namespaces, links, qdiscs), ``ip`` and ``tc`` (iproute2), ``unshare``
+(util-linux) and a kernel with veth, bridge, tbf and UTS namespaces: ``check`` says which is
+missing. The module is also imported by the multi-node
 tests (tests/multinode) and the network benchmark (benchmarks/bench_network.py).
 """
 import argparse
@@ -33,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -47,7 +53,7 @@ def why_not_available() -> Optional[str]:
     """None when this machine can host a cluster; else what is missing, in words."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, links and qdiscs); run as root or with sudo"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
             return f"needs `{tool}` (apt-get install {package})"
     probe = f"ddpxprobe{os.getpid() % 100000}"
@@ -62,6 +68,8 @@ def why_not_available() -> Optional[str]:
             (["ip", "-n", probe, "link", "set", "pa", "up"], "veth"),
             (["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit",
               "burst", "256kb", "latency", "100ms"], "tbf (sch_tbf)"),
+            (["ip", "netns", "exec", probe, "unshare", "--uts", "--", "sh", "-c",
+              "echo probe > /proc/sys/kernel/hostname"], "a UTS namespace"),
         ]
         for argv, what in steps:
             done = _run(argv, check=False)
@@ -70,6 +78,10 @@ def why_not_available() -> Optional[str]:
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _burst(rate: str) -> str:
@@ -116,6 +128,13 @@ class Cluster:
         reason = why_not_available()
         if reason is not None:
             raise RuntimeError(f"multinode: {reason}")
+        # A SIGTERM (timeout(1), a CI runner cancelling) would end the process without
+        # __exit__ and leave the namespaces behind: turn it into SystemExit while the cluster
+        # lives (the main thread only: Python delivers signals there).
+        self._old_term = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._create()
         except BaseException:
@@ -125,9 +144,16 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
 
     def _ip(self, *argv: str) -> None:
         _run(["ip", *argv])
+
+    def _hosts_file(self, i: int) -> str:
+        # ip netns exec bind-mounts /etc/netns/<ns>/* over /etc/*: each node resolves the
+        # nodes' names (its host name among them) to their addresses, as a cluster's DNS would.
+        return os.path.join("/etc/netns", self.ns(i), "hosts")
 
     def _create(self) -> None:
         self._ip("netns", "add", self.switch)
@@ -138,6 +164,10 @@ class Cluster:
             ns, port = self.ns(i), f"p{i}"
             self._ip("netns", "add", ns)
             self._made.append(ns)
+            os.makedirs(os.path.dirname(self._hosts_file(i)), exist_ok=True)
+            with open(self._hosts_file(i), "w") as f:
+                f.write("127.0.0.1 localhost\n" + "".join(
+                    f"{self.addr(k)} {self.ns(k)}\n" for k in range(self.nodes)))
             self._ip("-n", ns, "link", "set", "lo", "up")
             self._ip("-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port)
             self._ip("-n", ns, "link", "set", port, "netns", self.switch)
@@ -161,14 +191,20 @@ class Cluster:
                 except (ProcessLookupError, ValueError):
                     pass
             _run(["ip", "netns", "del", ns], check=False)
+            shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
         self._made.clear()
 
     # ---- running things on nodes
     def popen(self, i: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
               **kwargs) -> subprocess.Popen:
+        """Starts argv on node i: in its network namespace, and in a UTS namespace of its own
+        whose host name is the node's name (as machines have their own: code that groups ranks
+        by host, like post-local SGD's intra-node subgroups, sees one host per node)."""
         full_env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, TP_SOCKET_IFNAME=IFNAME)
         full_env.update(env or {})
-        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], env=full_env,
+        name_it = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), "unshare", "--uts", "--",
+                                 "sh", "-c", name_it, self.ns(i), *argv], env=full_env,
                                 **kwargs)
 
     def tx_bytes(self, i: int) -> int:
@@ -186,7 +222,10 @@ class Cluster:
 
     def torchrun_argv(self, i: int, script: Sequence[str], nproc: int = 1,
                       python: str = sys.executable, port: int = 29400, no_python: bool = False,
-                      max_restarts: int = 0, rdzv_id: str = "ddpx") -> List[str]:
+                      max_restarts: int = 0, rdzv_id: str = "ddpx",
+                      extra: Sequence[str] = ()) -> List[str]:
+        """torchrun's command line for node i (see the module's docstring); `extra` are more
+        torchrun options."""
         argv = [python, "-m", "torch.distributed.run", "--nnodes", str(self.nodes),
                 "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"{self.addr(0)}:{port}", "--rdzv-id", rdzv_id, "--local-addr", self.addr(i),
@@ -195,18 +234,20 @@ class Cluster:
             argv += ["--rdzv-conf", "is_host=1"]
         if no_python:
             argv.append("--no-python")
-        return argv + list(script)
+        return argv + list(extra) + list(script)
 
     def torchrun(self, script: Sequence[str], timeout: float = 300.0, nproc: int = 1,
                  python: str = sys.executable, env: Optional[Dict[str, str]] = None,
                  no_python: bool = False, max_restarts: int = 0, port: int = 29400,
-                 capture: bool = True) -> List[subprocess.CompletedProcess]:
+                 capture: bool = True, extra: Sequence[str] = (), rdzv_id: str = "ddpx"
+                 ) -> List[subprocess.CompletedProcess]:
         """Runs `script` under torchrun on every node and waits (at most `timeout` seconds:
         then every node is killed and TimeoutError raised). Returns each node's result."""
         procs = []
         for i in range(self.nodes):
             procs.append(self.popen(
-                i, self.torchrun_argv(i, script, nproc, python, port, no_python, max_restarts),
+                i, self.torchrun_argv(i, script, nproc, python, port, no_python, max_restarts,
+                                      rdzv_id=rdzv_id, extra=extra),
                 env=env, stdout=subprocess.PIPE if capture else None,
                 stderr=subprocess.STDOUT if capture else None, text=True))
         deadline = time.monotonic() + timeout
@@ -233,6 +274,7 @@ def _cleanup(prefix: str) -> None:
         name = name.split(" ")[0]
         if name.startswith(prefix + "-"):
             _run(["ip", "netns", "del", name], check=False)
+            shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
             print(f"removed {name}")
 
 

@@ -14,6 +14,9 @@
 # consumer against the pip install). DDPX_PYTEST_PATHS (default tests/python) picks test files;
 # DDPX_PYTEST_WORKERS (default 3) is pytest-xdist's -n: on 2 cores, 3 workers finish the suite
 # about a sixth sooner than 2, the fault-injection cases being mostly a wait for a timeout.
+# DDPX_MULTINODE=1 adds tests/multinode (jobs across network namespaces, scripts/multinode.py;
+# skipped with the reason where the machine allows none) to the default paths; its default is
+# 1 on the newest torch with python3 (the README's command), 0 on the other lines.
 # Extra arguments go to pytest (e.g. -k powersgd, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,11 +32,21 @@ if [ "${DDPX_TEST_CPP:-1}" != 0 ]; then
   ddpx_step "ctest ($DDPX_BUILD) in $(( $(ddpx_now) - t0 )) s"
 fi
 ddpx_pip_install
+paths=${DDPX_PYTEST_PATHS:-tests/python}
+multinode_default=0
+[ "$DDPX_TORCH" = newest ] && [ -z "$DDPX_PYTHON_VERSION" ] && multinode_default=1
+if [ -z "${DDPX_PYTEST_PATHS:-}" ] && [ "${DDPX_MULTINODE:-$multinode_default}" = 1 ]; then
+  paths="$paths tests/multinode"
+  # The C++ job of the multi-node tests: the example built in the CMake tree above.
+  if [ "${DDPX_TEST_CPP:-1}" != 0 ]; then
+    export DDPX_CPP_TRAIN_DIGITS="$PWD/$DDPX_BUILD/examples/cpp/train_digits"
+  fi
+fi
 # pytest runs from the repository root, whose python/ddpx is not importable as ddpx: the tests
 # import the installed package (conftest.py prints which).
 t0=$(ddpx_now)
 # shellcheck disable=SC2086
-"$DDPX_PY" -m pytest ${DDPX_PYTEST_PATHS:-tests/python} -q -p no:cacheprovider \
+"$DDPX_PY" -m pytest $paths -q -p no:cacheprovider \
   -n "${DDPX_PYTEST_WORKERS:-3}" "$@"
 ddpx_step "pytest in $(( $(ddpx_now) - t0 )) s"
 ddpx_step "test suite ($(ddpx_describe_python)) done in $(( $(ddpx_now) - T0 )) s"

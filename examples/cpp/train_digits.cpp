@@ -60,12 +60,16 @@ struct Args {
   // Overrides of the data file's settings (<= 0: the file's value).
   int64_t epochs = 0;
   double lr = 0;
+  // Intra-op threads per rank (<= 0: the machine's cores shared among the node's ranks). Runs
+  // compared bit for bit across launch layouts (one machine, several) fix it: the kernels'
+  // reductions may split differently with another thread count.
+  int64_t threads = 0;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "train_digits: %s\nusage: train_digits [--data FILE] [--out DIR] [--compare FILE "
-               "[--require-identical]] [--only a,b] [--epochs N] [--lr X]\n",
+               "[--require-identical]] [--only a,b] [--epochs N] [--lr X] [--threads N]\n",
                why.c_str());
   std::exit(2);
 }
@@ -93,6 +97,8 @@ Args parse_args(int argc, char** argv) {
         a.epochs = std::stoll(value);
       } else if (key == "--lr") {
         a.lr = std::stod(value);
+      } else if (key == "--threads") {
+        a.threads = std::stoll(value);
       } else {
         usage("unknown argument " + key);
       }
@@ -546,7 +552,8 @@ int run(const Args& args) {
   const char* local_world_env = std::getenv("LOCAL_WORLD_SIZE");
   const int64_t local_world = local_world_env ? std::max(1LL, std::atoll(local_world_env)) : world;
   const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(static_cast<int>(std::max<int64_t>(1, cores / local_world)));
+  at::set_num_threads(static_cast<int>(args.threads > 0 ? args.threads
+                                                        : std::max<int64_t>(1, cores / local_world)));
 
   Digits d = load_digits(args.data);
   Settings& s = d.settings;

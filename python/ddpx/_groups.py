@@ -1,5 +1,6 @@
 """Process groups for the Python layer: resolving a group argument as torch does (None is the
-default group), and creating subgroups without CUDA."""
+default group), and creating subgroups without CUDA that time out as the default group does."""
+import datetime
 import socket
 from typing import Any, Dict, List, Optional
 
@@ -47,15 +48,45 @@ def check_optional_group(group: Any, who: str, arg: str) -> None:
         )
 
 
+def default_group_timeout() -> Optional[datetime.timedelta]:
+    """The timeout the default group was made with (``init_process_group(timeout=...)``), or
+    None where this torch does not tell. ``dist.new_group`` and ``dist.new_subgroups`` default
+    to torch's 30 minutes whatever the default group's timeout is, so a subgroup ddpx makes on
+    the user's behalf (post-local SGD's intra-node group, the hierarchical averager's) would
+    wait half an hour on a dead peer where the user asked for seconds."""
+    pg = dist.distributed_c10d._get_default_group()
+    candidates = [pg]
+    for device in ("cpu", "cuda"):
+        try:
+            candidates.append(pg._get_backend(torch.device(device)))
+        except Exception:  # noqa: BLE001 - no such backend, or a torch without _get_backend
+            pass
+    for obj in candidates:
+        options = getattr(obj, "options", None)
+        for name in ("_timeout", "timeout"):
+            value = getattr(options, name, None)
+            if isinstance(value, datetime.timedelta):
+                return value
+    return None
+
+
+def _timeout_kwargs() -> Dict[str, datetime.timedelta]:
+    # Only a known timeout: torch 1.13's new_group takes no None.
+    timeout = default_group_timeout()
+    return {} if timeout is None else {"timeout": timeout}
+
+
 def new_subgroups_by_ranks(rank_lists: List[List[int]]) -> Optional[dist.ProcessGroup]:
     """Creates one group per list of global ranks with ``dist.new_group`` and returns the one
     holding this rank (None if none does). A collective over the default group: every rank calls
     it with the same lists. Works without CUDA (torch 1.13's ``new_subgroups`` and
-    ``new_subgroups_by_enumeration`` refuse to run unless CUDA is available)."""
+    ``new_subgroups_by_enumeration`` refuse to run unless CUDA is available). The groups time
+    out as the default group does (:func:`default_group_timeout`)."""
     me = dist.get_rank()
     mine = None
+    kw = _timeout_kwargs()
     for ranks in rank_lists:
-        group = dist.new_group(ranks=list(ranks))
+        group = dist.new_group(ranks=list(ranks), **kw)
         if me in ranks:
             mine = group
     return mine
@@ -75,7 +106,7 @@ def intra_node_subgroup() -> dist.ProcessGroup:
     the ranks are grouped by host name. A collective over the default group: every rank calls it.
     """
     if torch.cuda.is_available():
-        subgroup, _ = dist.new_subgroups()
+        subgroup, _ = dist.new_subgroups(**_timeout_kwargs())
         return subgroup
     world = dist.get_world_size()
     hosts: List[Optional[str]] = [None] * world

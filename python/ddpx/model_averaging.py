@@ -229,7 +229,8 @@ class HierarchicalModelAverager(ModelAverager):
     ``warmup_steps``; at a given step only the group of the largest dividing period averages.
     Subgroups of consecutive ranks are created as ``dist.new_subgroups`` does, with
     ``dist.new_group`` (a collective over the default group: every rank constructs the averager);
-    unlike torch 1.13's, this works without CUDA.
+    unlike torch 1.13's, this works without CUDA, and unlike torch's the subgroups time out as
+    the default group does (not after ``new_group``'s 30 minutes).
 
     Example::
         >>> averager = ddpx.model_averaging.HierarchicalModelAverager(

@@ -598,3 +598,46 @@ def test_agreement_of_digests(world_size):
     for same, differ in run_ranks(rank_agreement, world_size):
         assert same == [True, True]
         assert differ == [True, False]
+
+
+
+def rank_subgroups_time_out_as_the_default_group(rank: int, world_size: int):
+    """Ranks 1-3 stay away from every collective; rank 0 uses each subgroup ddpx makes for the
+    user (post-local SGD's intra-node group, a hierarchical averager's level group) and must be
+    told within the default group's timeout (3 s here), not new_group's 30 minutes."""
+    import collections
+    import time
+
+    from ddpx import _groups
+    from dist_utils import exit_rank, wait_for_result_of
+    known = _groups.default_group_timeout()
+    groups = {
+        "intra_node_subgroup": _groups.intra_node_subgroup(),
+        # The first level's groups: {0, 1} and {2, 3}.
+        "hierarchical": ddpx.model_averaging.HierarchicalModelAverager(
+            collections.OrderedDict([(1, 2), (2, world_size)]),
+            warmup_steps=0).period_process_group_dict[1],
+    }
+    if rank != 0:
+        wait_for_result_of(0, 60)
+        exit_rank(None)
+    waited = {}
+    for name, group in groups.items():
+        assert group is not dist.group.WORLD, name
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(3), group=group)
+            waited[name] = ("returned", time.monotonic() - t0)
+        except RuntimeError as exc:
+            waited[name] = (str(exc)[:200], time.monotonic() - t0)
+    exit_rank((None if known is None else known.total_seconds(), waited))
+
+
+def test_subgroups_time_out_as_the_default_group():
+    known, waited = run_ranks(rank_subgroups_time_out_as_the_default_group, 4,
+                              collective_timeout_s=3.0, timeout=120)[0]
+    assert known == 3.0
+    for name, (what, seconds) in waited.items():
+        assert what != "returned", name
+        assert "timed out" in what.lower() or "timeout" in what.lower(), (name, what)
+        assert 2.5 <= seconds < 15, (name, seconds)

@@ -39,7 +39,8 @@ class PostLocalSGDState(NativeState):
     subgroups, created (a collective: every rank must do it) when the hook is built, i.e. at
     :func:`ddpx.register_comm_hook` or at the first bucket of the drop-in path: with
     ``dist.new_subgroups()`` as torch when CUDA is available, else by host name (torch's raises
-    ValueError without CUDA).
+    ValueError without CUDA). Unlike torch's, these subgroups time out as the default group does
+    (torch's take ``new_group``'s 30 minutes whatever ``init_process_group`` was given).
 
     Beyond torch: ``state_dict()`` / ``load_state_dict()`` (``iter``, ``start_localSGD_iter``,
     ``post_local_gradient_allreduce``) and pickling keep ``iter``, so a
