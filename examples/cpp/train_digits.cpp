@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -639,8 +640,15 @@ int run(const Args& args) {
     std::printf("\n%s", md.c_str());
     std::string dir = args.out;
     if (!dir.empty() && dir.back() != '/') dir += '/';
-    std::ofstream(dir + "results_cpp.md") << md;
-    std::printf("wrote %sresults_cpp.md\n", dir.c_str());
+    if (!dir.empty()) std::filesystem::create_directories(dir);
+    std::ofstream report(dir + "results_cpp.md");
+    report << md;
+    if (!report) {
+      std::fprintf(stderr, "train_digits: cannot write %sresults_cpp.md\n", dir.c_str());
+      status = 1;
+    } else {
+      std::printf("wrote %sresults_cpp.md\n", dir.c_str());
+    }
     for (const auto& r : rows) {
       if (r.status != "ok") status = 1;
     }
