@@ -553,8 +553,8 @@ int run(const Args& args) {
   const char* local_world_env = std::getenv("LOCAL_WORLD_SIZE");
   const int64_t local_world = local_world_env ? std::max(1LL, std::atoll(local_world_env)) : world;
   const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(static_cast<int>(args.threads > 0 ? args.threads
-                                                        : std::max<int64_t>(1, cores / local_world)));
+  at::set_num_threads(static_cast<int>(
+      args.threads > 0 ? args.threads : std::max<int64_t>(1, cores / local_world)));
 
   Digits d = load_digits(args.data);
   Settings& s = d.settings;
