@@ -80,6 +80,32 @@ def why_not_available() -> Optional[str]:
     return None
 
 
+def tx_bytes_of(proc_net_dev: str, ifname: str = IFNAME) -> int:
+    """The transmitted-bytes counter of `ifname` in the text of a /proc/net/dev (KeyError if
+    the interface is not there). The benchmark's workers read their own namespace's file."""
+    for line in proc_net_dev.splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == ifname:
+            return int(rest.split()[8])
+    raise KeyError(ifname)
+
+
+def _netns_etc(ns: str) -> str:
+    # What ip netns exec mounts over /etc for `ns` (the node's hosts file lives there).
+    return os.path.join("/etc/netns", ns)
+
+
+def delete_namespace(ns: str) -> None:
+    """Kills what runs in `ns`, deletes it and its /etc/netns folder (idempotent)."""
+    for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _run(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(_netns_etc(ns), ignore_errors=True)
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -153,7 +179,7 @@ class Cluster:
     def _hosts_file(self, i: int) -> str:
         # ip netns exec bind-mounts /etc/netns/<ns>/* over /etc/*: each node resolves the
         # nodes' names (its host name among them) to their addresses, as a cluster's DNS would.
-        return os.path.join("/etc/netns", self.ns(i), "hosts")
+        return os.path.join(_netns_etc(self.ns(i)), "hosts")
 
     def _create(self) -> None:
         self._ip("netns", "add", self.switch)
@@ -184,14 +210,7 @@ class Cluster:
     def remove(self) -> None:
         """Kills what runs in the namespaces and deletes them (idempotent)."""
         for ns in reversed(self._made):
-            pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run(["ip", "netns", "del", ns], check=False)
-            shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
+            delete_namespace(ns)
         self._made.clear()
 
     # ---- running things on nodes
@@ -210,11 +229,10 @@ class Cluster:
     def tx_bytes(self, i: int) -> int:
         """Bytes node i has sent on its link so far (its eth0's counter)."""
         out = _run(["ip", "netns", "exec", self.ns(i), "cat", "/proc/net/dev"]).stdout
-        for line in out.splitlines():
-            name, _, rest = line.partition(":")
-            if name.strip() == IFNAME:
-                return int(rest.split()[8])
-        raise RuntimeError(f"multinode: no {IFNAME} in node {i}")
+        try:
+            return tx_bytes_of(out)
+        except KeyError:
+            raise RuntimeError(f"multinode: no {IFNAME} in node {i}") from None
 
     def set_link(self, i: int, up: bool) -> None:
         """Cuts (or restores) node i's link, as a pulled cable."""
@@ -273,8 +291,7 @@ def _cleanup(prefix: str) -> None:
     for name in _run(["ip", "netns", "list"]).stdout.split("\n"):
         name = name.split(" ")[0]
         if name.startswith(prefix + "-"):
-            _run(["ip", "netns", "del", name], check=False)
-            shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
+            delete_namespace(name)
             print(f"removed {name}")
 
 
