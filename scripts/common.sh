@@ -137,12 +137,38 @@ ddpx_setup_python() {
     "$base" -m venv "$DDPX_VENV"
     mkdir -p "$DDPX_WHEELHOUSE"
     ddpx_step "pip: downloading into $DDPX_WHEELHOUSE what is not there yet"
-    "$DDPX_PY" -m pip download -q -d "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
+    # --no-cache-dir: the wheelhouse is the cache; pip's own would hold a second copy.
+    "$DDPX_PY" -m pip download -q --no-cache-dir -d "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
     ddpx_step "pip: installing into $DDPX_VENV from the wheelhouse"
-    "$DDPX_PY" -m pip install -q --no-index --find-links "$DDPX_WHEELHOUSE" -r "$DDPX_REQUIREMENTS"
+    "$DDPX_PY" -m pip install -q --no-cache-dir --no-index --find-links "$DDPX_WHEELHOUSE" \
+      -r "$DDPX_REQUIREMENTS"
+    ddpx_share_venv_files
   fi
   echo "$want" >"$stamp_file"
   ddpx_step "$DDPX_VENV ready in $(( $(ddpx_now) - t0 )) s ($(ddpx_describe_python))"
+}
+
+# One torch on several CPythons installs byte-identical libraries in each venv: all but a handful
+# of torch's 13k files (libtorch_cpu, libtorch_cuda), the nvidia-* and cuda-* wheels (py3-none),
+# triton's abi3 wheel. Hard links between the venvs of this checkout keep one copy of each on
+# disk: a 2.15 venv is 5.7 GB, a second one on another Python adds a few hundred MB. CI makes
+# four pip venvs on one disk, and ran out of it with a copy each. Nothing writes installed files
+# in place (pip replaces a file by unlinking it), so a shared inode stays the same in every venv.
+ddpx_share_venv_files() {
+  local t0 before after d dirs=()
+  if ! command -v hardlink >/dev/null 2>&1; then
+    ddpx_step "no hardlink(1) (util-linux): $DDPX_VENV keeps its own copies"
+    return 0
+  fi
+  t0=$(ddpx_now)
+  for d in .venv*/lib; do [ -d "$d" ] && dirs+=("$d"); done
+  before=$(df -Pk . | awk 'NR==2 {print $4}')
+  # -c: equal contents (pip sets its own times and modes); -f: the same file name only, which
+  # is where the copies are, and spares hashing the rest; -s 1M: the bytes are in the big files.
+  hardlink -q -c -f -s 1M "${dirs[@]}" || ddpx_step "hardlink failed; the venvs keep copies"
+  after=$(df -Pk . | awk 'NR==2 {print $4}')
+  ddpx_step "hard links between ${#dirs[@]} venvs freed $(( (after - before) / 1024 )) MB" \
+    "in $(( $(ddpx_now) - t0 )) s"
 }
 
 # "torch 2.15.0+cu132, Python 3.11.7" for the venv's interpreter.
