@@ -96,6 +96,9 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
   TORCH_INTERNAL_ASSERT(values.is_contiguous() && out.is_contiguous());
   TORCH_INTERNAL_ASSERT(values.numel() == out.numel());
   const auto resolved = resolve_exchange_mode(mode, *pg, values.scalar_type(), values.device());
+  TORCH_CHECK(resolved != ExchangeMode::kReduceScatter,
+              "the reduce_scatter exchange needs a hook that issues its second collective from "
+              "its next call (ddpx::comm::ReduceScatterSum); use auto, allreduce or allgather");
 
   if (resolved == ExchangeMode::kAllgather) {
     return cast_gather_sum_into(pg, values, values.scalar_type(), 1.0, out, scale);
@@ -185,12 +188,204 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg
                                                        ExchangeMode mode) {
   if (tensor.is_sparse()) return sparse_allreduce_mean(pg, tensor);
   const double inv_world = 1.0 / pg->getSize();
-  if (resolve_exchange_mode(mode, *pg, tensor.scalar_type(), tensor.device()) ==
-      ExchangeMode::kAllgather) {
+  const auto resolved = resolve_exchange_mode(mode, *pg, tensor.scalar_type(), tensor.device());
+  TORCH_CHECK(resolved != ExchangeMode::kReduceScatter,
+              "allreduce_mean: the reduce_scatter exchange is the hooks' (ReduceScatterSum)");
+  if (resolved == ExchangeMode::kAllgather) {
     return sum_into(pg, tensor, tensor, inv_world, ExchangeMode::kAllgather);
   }
   tensor.div_(pg->getSize());
   return sum_into(pg, tensor, tensor, 1.0, ExchangeMode::kAllreduce);
+}
+
+int64_t exchange_chunk_length(int64_t n) {
+  constexpr int64_t kChunkElements = 1 << 20;
+  constexpr int64_t kMaxChunks = 8;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, n / kChunkElements));
+  if (chunks == 1) return n;
+  return ((n + chunks - 1) / chunks + 63) / 64 * 64;
+}
+
+namespace {
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+std::vector<c10::Device> devices_of(const at::Tensor& t) {
+  std::vector<c10::Device> devices;
+  if (!t.device().is_cpu()) devices.push_back(t.device());
+  return devices;
+}
+
+void complete_when_all_done(const c10::List<FuturePtr>& parts, const at::Tensor& value,
+                            const FuturePtr& result) {
+  c10::collectAll(parts)->addCallback([parts, result, value](c10::ivalue::Future& all) {
+    if (all.hasError()) {
+      result->setError(all.exception_ptr());
+      return;
+    }
+    try {
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const FuturePtr fut = parts.get(i);
+        fut->wait();   // on CUDA: the current stream waits on the part's events
+        fut->value();  // rethrows a failed part
+      }
+      result->markCompleted(c10::IValue(value));
+    } catch (...) {
+      result->setError(std::current_exception());
+    }
+  });
+}
+}  // namespace
+
+FuturePtr all_done(const c10::List<FuturePtr>& parts, const at::Tensor& value) {
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices_of(value));
+  complete_when_all_done(parts, value, result);
+  return result;
+}
+
+namespace {
+// One chunk of the reduce-scatter exchange between its two rounds. Rank c owns the values
+// [c * step, (c + 1) * step) (clipped to n; the last ranks' may be short or empty). The staged
+// values are in "own last" order: the peers' chunks in rank order (what the first all-to-all
+// sends, one contiguous prefix), then this rank's own chunk, which stays here.
+struct ScatterRound {
+  at::Tensor out;
+  at::ScalarType wire;
+  double post_scale;
+  int64_t n, rank, own_begin, own_len;
+  std::vector<int64_t> lengths;  // of every rank's chunk
+  at::Tensor send, recv;         // round one's bytes: [n] staged, [(world - 1) * own_len] got
+  FuturePtr round_one;
+};
+
+// The piece [from_at, from_at + len) of `from`, cast and scaled, into `to` at `to_at`.
+void cast_piece(const at::Tensor& from, int64_t from_at, const at::Tensor& to, int64_t to_at,
+                int64_t len, double scale) {
+  if (len > 0) scaled_cast_into(from.narrow(0, from_at, len), to.narrow(0, to_at, len), scale);
+}
+std::shared_ptr<ScatterRound> start_round_one(const ProcessGroupPtr& pg, const at::Tensor& src,
+                                              at::ScalarType wire, double pre_scale,
+                                              const at::Tensor& out, double post_scale) {
+  auto j = std::make_shared<ScatterRound>();
+  const int64_t world = pg->getSize();
+  const int64_t es = static_cast<int64_t>(c10::elementSize(wire));
+  j->out = out;
+  j->wire = wire;
+  j->post_scale = post_scale;
+  j->n = src.numel();
+  j->rank = pg->getRank();
+  const int64_t step = ((j->n + world - 1) / world + 63) / 64 * 64;
+  for (int64_t c = 0; c < world; ++c) {
+    j->lengths.push_back(std::max<int64_t>(0, std::min(step, j->n - c * step)));
+  }
+  j->own_begin = std::min(j->n, j->rank * step);
+  j->own_len = j->lengths[static_cast<size_t>(j->rank)];
+  auto& pool = StagingPool::instance();
+  j->send = pool.acquire(j->n * es, src.options());
+  j->recv = pool.acquire((world - 1) * j->own_len * es, src.options());
+  // Natural order to "own last": [0, own_begin) stays, what follows the own chunk moves down by
+  // own_len, the own chunk goes to the end. Every piece starts on a multiple of 64 elements.
+  const at::Tensor staged = j->send.view(wire);
+  const int64_t own_end = j->own_begin + j->own_len;
+  cast_piece(src, 0, staged, 0, j->own_begin, pre_scale);
+  cast_piece(src, own_end, staged, j->own_begin, j->n - own_end, pre_scale);
+  cast_piece(src, j->own_begin, staged, j->n - j->own_len, j->own_len, pre_scale);
+  std::vector<int64_t> in_splits, out_splits;  // bytes to, and from, each rank
+  for (int64_t c = 0; c < world; ++c) {
+    const bool self = c == j->rank;
+    in_splits.push_back(self ? 0 : j->lengths[static_cast<size_t>(c)] * es);
+    out_splits.push_back(self ? 0 : j->own_len * es);
+  }
+  at::Tensor peers_part = j->send.narrow(0, 0, (j->n - j->own_len) * es);
+  auto work = compat::all_to_all_single(*pg, j->recv, peers_part, out_splits, in_splits);
+  j->round_one = future_of(*work, src.device());
+  return j;
+}
+
+// Waits for round one, sums this rank's chunk (fp32, rank order, one rounding to the wire dtype)
+// and sends it to every peer; the future completes once `out` holds every rank's summed chunk.
+// The callback holds buffers only, no process group (it may run last on a communication
+// thread, and the group's destructor joins that thread).
+FuturePtr issue_round_two(const ProcessGroupPtr& pg, ScatterRound& j) {
+  j.round_one->wait();   // on CUDA: the current stream waits for the collective
+  j.round_one->value();  // rethrows a failed round one
+  const int64_t world = pg->getSize();
+  const int64_t peers = world - 1;
+  const int64_t es = static_cast<int64_t>(c10::elementSize(j.wire));
+  auto& pool = StagingPool::instance();
+  at::Tensor send = pool.acquire(peers * j.own_len * es, j.send.options());
+  at::Tensor rows = send.view(j.wire).view({peers, j.own_len});
+  if (j.own_len > 0) {
+    sum_rows_with_own_into(j.recv.view(j.wire).view({peers, j.own_len}),
+                           j.send.view(j.wire).narrow(0, j.n - j.own_len, j.own_len), j.rank,
+                           rows[0], j.post_scale);
+    for (int64_t r = 1; r < peers; ++r) rows[r].copy_(rows[0]);
+  }
+  keep_until_current_stream_done(j.send);
+  keep_until_current_stream_done(j.recv);
+  pool.release(std::move(j.send));
+  pool.release(std::move(j.recv));
+  at::Tensor recv = pool.acquire((j.n - j.own_len) * es, send.options());
+  std::vector<int64_t> in_splits, out_splits;
+  for (int64_t c = 0; c < world; ++c) {
+    const bool self = c == j.rank;
+    in_splits.push_back(self ? 0 : j.own_len * es);
+    out_splits.push_back(self ? 0 : j.lengths[static_cast<size_t>(c)] * es);
+  }
+  auto work = compat::all_to_all_single(*pg, recv, send, out_splits, in_splits);
+  const at::ScalarType wire = j.wire;
+  const int64_t n = j.n, own_begin = j.own_begin, own_len = j.own_len;
+  const at::Tensor out = j.out;
+  return future_of(*work, out.device())
+      ->then(
+          [send, recv, wire, n, own_begin, own_len, out](c10::ivalue::Future& f) {
+            f.value();  // rethrows a failed collective
+            keep_until_current_stream_done(send);
+            // The peers' summed chunks came in rank order without this rank's, which is the
+            // first row of `send`: back to natural order, into the bucket's dtype.
+            const at::Tensor got = recv.view(wire);
+            const int64_t own_end = own_begin + own_len;
+            cast_piece(got, 0, out, 0, own_begin, 1.0);
+            cast_piece(got, own_begin, out, own_end, n - own_end, 1.0);
+            cast_piece(send.view(wire), 0, out, own_begin, own_len, 1.0);
+            auto& pool = StagingPool::instance();
+            pool.release(send);
+            pool.release(recv);
+            return c10::IValue(out);
+          },
+          c10::TensorType::get());
+}
+}  // namespace
+
+FuturePtr ReduceScatterSum::start(const ProcessGroupPtr& pg, const at::Tensor& src,
+                                  at::ScalarType wire_dtype, double pre_scale,
+                                  const at::Tensor& out, double post_scale, bool last) {
+  TORCH_INTERNAL_ASSERT(pg && src.is_contiguous() && out.is_contiguous());
+  TORCH_INTERNAL_ASSERT(src.numel() == out.numel());
+  const int64_t n = src.numel();
+  if (pg->getSize() == 1 || n == 0) {
+    // Nothing to scatter: one row, summed where it is.
+    deferred_.flush();
+    return cast_gather_sum_into(pg, src, wire_dtype, pre_scale, out, post_scale);
+  }
+  const int64_t step = std::max<int64_t>(1, exchange_chunk_length(n));
+  std::vector<std::shared_ptr<ScatterRound>> rounds;
+  for (int64_t begin = 0; begin < n; begin += step) {
+    const int64_t len = std::min(step, n - begin);
+    rounds.push_back(start_round_one(pg, src.narrow(0, begin, len), wire_dtype, pre_scale,
+                                     out.narrow(0, begin, len), post_scale));
+  }
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices_of(out));
+  DeferredCollective::Step step_two{
+      [pg, rounds, out, result] {
+        c10::List<FuturePtr> parts(c10::FutureType::create(c10::TensorType::get()));
+        for (const auto& r : rounds) parts.push_back(issue_round_two(pg, *r));
+        complete_when_all_done(parts, out, result);
+      },
+      [result](std::exception_ptr error) {
+        if (!result->completed()) result->setError(std::move(error));
+      }};
+  deferred_.submit(std::move(step_two), last);
+  return result;
 }
 
 }  // namespace comm

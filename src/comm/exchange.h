@@ -8,14 +8,19 @@
 #include <ddpx/comm/exchange_mode.h>
 #include <ddpx/common/process_group.h>
 
+#include <memory>
+
+#include "comm/deferred.h"
+
 namespace ddpx {
 namespace comm {
 
 // Starts the collective and returns a future that completes, with `out`, once
 //   out = cast<out.dtype>(scale * sum over ranks of values)
-// holds. `values` (contiguous, floating) may be overwritten; `out` has values.numel() elements
-// and may be `values` itself. Both stay alive until the future completes. Collectives are
-// issued on the calling thread, so their order across ranks is the order of the calls.
+// holds (`mode` kReduceScatter is refused: it needs ReduceScatterSum). `values` (contiguous,
+// floating) may be overwritten; `out` has values.numel() elements and may be `values` itself. Both
+// stay alive until the future completes. Collectives are issued on the calling thread, so their
+// order across ranks is the order of the calls.
 c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
                                                  const at::Tensor& values, const at::Tensor& out,
                                                  double scale, ExchangeMode mode);
@@ -36,6 +41,45 @@ c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
 // coalesced sum, not `tensor`.
 c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg,
                                                        const at::Tensor& tensor, ExchangeMode mode);
+
+// Chunking of the hooks' staged exchanges, so that casting and summing one chunk overlap the
+// transfers of the others: about 1M elements (2 MiB of 16-bit values) per chunk, at most 8,
+// each starting on a multiple of 64 elements (128 bytes of 16-bit values, 256 of fp32: the cast
+// kernels take their vector path only on aligned pointers, review F2). The chunk length for
+// `n` elements; n itself when there is one chunk.
+int64_t exchange_chunk_length(int64_t n);
+
+// A future on `value`'s device that completes with `value` once every one of `parts` has.
+// Not c10::collectAll(...)->then(...): collectAll's future has no devices, and neither would its
+// then(), so on CUDA DDP's wait would not order the autograd stream after the parts' kernels,
+// which run on pool streams (review finding B2). Here the completing thread's current stream
+// first waits on every part (Future::wait() on a CUDA future), and markCompleted then records
+// the result's events on that stream, after those waits.
+c10::intrusive_ptr<c10::ivalue::Future> all_done(
+    const c10::List<c10::intrusive_ptr<c10::ivalue::Future>>& parts, const at::Tensor& value);
+
+// ExchangeMode::kReduceScatter for a hook: start() casts cast<wire_dtype>(pre_scale * src) and
+// issues the first all-to-all of each chunk (chunk c of the values to rank c); the second one
+// (each rank's summed chunk to its peers) is deferred to the next start() or flush(), or issued
+// at once for the last bucket of a backward pass (DeferredCollective: every rank then issues
+// the collectives in the same order whatever the timing). The future completes, with `out`,
+// once
+//   out = cast<out.dtype>(cast<wire_dtype>(post_scale * sum over ranks of the wire values))
+// holds, the sum in fp32 in rank order: one 16-bit rounding of the sum more than kAllgather,
+// the same result as kAllgather where `out` is 16-bit. Every rank gets the same bits.
+// One object per hook; called from runHook only (not thread-safe).
+class ReduceScatterSum {
+ public:
+  c10::intrusive_ptr<c10::ivalue::Future> start(const ProcessGroupPtr& pg, const at::Tensor& src,
+                                                at::ScalarType wire_dtype, double pre_scale,
+                                                const at::Tensor& out, double post_scale,
+                                                bool last);
+  // Issues the deferred second round, if any: a runHook that takes another path calls it first.
+  void flush() { deferred_.flush(); }
+
+ private:
+  DeferredCollective deferred_;
+};
 
 }  // namespace comm
 }  // namespace ddpx

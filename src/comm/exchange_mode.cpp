@@ -17,7 +17,10 @@ ExchangeMode parse_exchange_mode(const std::string& name) {
   if (name == "auto") return ExchangeMode::kAuto;
   if (name == "allreduce") return ExchangeMode::kAllreduce;
   if (name == "allgather") return ExchangeMode::kAllgather;
-  TORCH_CHECK(false, "exchange must be one of 'auto', 'allreduce', 'allgather', got '", name, "'");
+  if (name == "reduce_scatter") return ExchangeMode::kReduceScatter;
+  TORCH_CHECK(false,
+              "exchange must be one of 'auto', 'allreduce', 'allgather', 'reduce_scatter', got '",
+              name, "'");
 }
 
 const char* exchange_mode_name(ExchangeMode mode) {
@@ -28,15 +31,20 @@ const char* exchange_mode_name(ExchangeMode mode) {
       return "allreduce";
     case ExchangeMode::kAllgather:
       return "allgather";
+    case ExchangeMode::kReduceScatter:
+      return "reduce_scatter";
   }
   TORCH_CHECK(false, "invalid ExchangeMode ", static_cast<int>(mode));
 }
 
 ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
-                                   at::ScalarType wire_dtype, const c10::Device& device) {
+                                   at::ScalarType wire_dtype, const c10::Device& device,
+                                   bool two_rounds) {
   if (mode != ExchangeMode::kAuto) return mode;
-  return backend_sums_natively(pg, wire_dtype, device) ? ExchangeMode::kAllreduce
-                                                       : ExchangeMode::kAllgather;
+  if (backend_sums_natively(pg, wire_dtype, device)) return ExchangeMode::kAllreduce;
+  // On 2 ranks both exchanges send numel 16-bit values; the gather does it in one round, with no
+  // 16-bit rounding of the sum.
+  return two_rounds && pg.getSize() >= 3 ? ExchangeMode::kReduceScatter : ExchangeMode::kAllgather;
 }
 
 }  // namespace comm

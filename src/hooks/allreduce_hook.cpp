@@ -8,13 +8,28 @@ namespace ddpx {
 namespace hooks {
 
 AllreduceHook::AllreduceHook(ProcessGroupPtr process_group, ExchangeMode exchange)
-    : pg_(std::move(process_group)), exchange_(exchange) {
+    : pg_(std::move(process_group)),
+      exchange_(exchange),
+      scatter_(std::make_shared<comm::ReduceScatterSum>()) {
   detail::check_process_group(pg_, name());
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBuffer();
-  detail::check_bucket(buffer, name(), /*sparse_ok=*/true);
+  try {
+    detail::check_bucket(buffer, name(), /*sparse_ok=*/true);
+  } catch (...) {
+    scatter_->flush();  // the previous bucket's second round goes out in every rank's order
+    throw;
+  }
+  if (!buffer.is_sparse() &&
+      resolve_exchange_mode(exchange_, *pg_, buffer.scalar_type(), buffer.device(),
+                            /*two_rounds=*/true) == ExchangeMode::kReduceScatter) {
+    // The mean's closed form of the gather path: sum in fp32, times 1/W, one rounding.
+    return scatter_->start(pg_, buffer, buffer.scalar_type(), 1.0, buffer, 1.0 / pg_->getSize(),
+                           bucket.isLast());
+  }
+  scatter_->flush();
   return comm::allreduce_mean(pg_, buffer, exchange_);
 }
 

@@ -41,7 +41,8 @@ void bind_hooks(py::module& m) {
   py::enum_<ExchangeMode>(m, "ExchangeMode", "How 16-bit values travel between ranks.")
       .value("AUTO", ExchangeMode::kAuto)
       .value("ALLREDUCE", ExchangeMode::kAllreduce)
-      .value("ALLGATHER", ExchangeMode::kAllgather);
+      .value("ALLGATHER", ExchangeMode::kAllgather)
+      .value("REDUCE_SCATTER", ExchangeMode::kReduceScatter);
 
   py::class_<CommHook, CommHookPtr>(m, "CommHook",
                                     "A native ddpx communication hook (c10d::CommHookInterface).")

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "comm/deferred.h"
+#include "comm/exchange.h"
 #include "test_utils.h"
 
 namespace {
@@ -219,6 +220,41 @@ TEST(ExchangeMode, AsksTheBackendOfTheTensorsDevice) {
   cpu_only->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
   EXPECT_EQ(ddpx::compat::backend_name(*cpu_only, c10::DeviceType::CUDA), "nccl");
 #endif
+}
+
+// kAuto on Gloo for 16-bit values: the reduce-scatter exchange only for a caller that can defer
+// its second collective and only from 3 ranks on; sum_into, which issues one collective, refuses
+// it when asked for it explicitly (it would need the second from a callback: order mismatches).
+TEST(ExchangeMode, ReduceScatterOnlyWhereTwoRoundsFitAndFromThreeRanks) {
+  using ddpx::comm::ExchangeMode;
+  using ddpx::comm::resolve_exchange_mode;
+  const c10::Device cpu(c10::DeviceType::CPU);
+  for (int world : {1, 2, 3, 4}) {
+    ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+      const bool scatter = world >= 3;
+      for (at::ScalarType dt : {at::kHalf, at::kBFloat16}) {
+        EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, *pg, dt, cpu, true),
+                  scatter ? ExchangeMode::kReduceScatter : ExchangeMode::kAllgather);
+        EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, *pg, dt, cpu, false),
+                  ExchangeMode::kAllgather);
+      }
+      EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, *pg, at::kFloat, cpu, true),
+                ExchangeMode::kAllreduce);
+      if (rank == 0) {
+        at::Tensor t = at::ones({8}, at::kHalf);
+        try {
+          ddpx::comm::sum_into(pg, t, t, 1.0, ExchangeMode::kReduceScatter);
+          ADD_FAILURE() << "sum_into took kReduceScatter";
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("reduce_scatter exchange needs a hook"),
+                    std::string::npos)
+              << e.what();
+        }
+      }
+    });
+  }
+  EXPECT_EQ(ddpx::comm::parse_exchange_mode("reduce_scatter"), ExchangeMode::kReduceScatter);
+  EXPECT_STREQ(ddpx::comm::exchange_mode_name(ExchangeMode::kReduceScatter), "reduce_scatter");
 }
 
 TEST(BackendKind, EveryNcclClassAndGlooByName) {

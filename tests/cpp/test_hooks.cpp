@@ -252,7 +252,7 @@ TEST_P(HookTest, AveragesOverRanks) {
 
 std::vector<HookCase> all_cases() {
   const ExchangeMode modes[] = {ExchangeMode::kAuto, ExchangeMode::kAllreduce,
-                                ExchangeMode::kAllgather};
+                                ExchangeMode::kAllgather, ExchangeMode::kReduceScatter};
   const int64_t sizes[] = {1, 1000, 65537};
   std::vector<HookCase> cases;
   for (int world = 1; world <= 4; ++world) {
@@ -306,7 +306,8 @@ c10::intrusive_ptr<c10::ivalue::Future> run_fp16_hook(const ProcessGroupPtr& pg,
 // (>= 65520 for W >= 2: they overflow fp16 unless divided by W first), the other ranks ordinary
 // values, so that the mean fits fp16. With every rank near the top, the mean may exceed 65504:
 // the allgather exchange sums in fp32 and must still return it (a 16-bit allreduce would
-// overflow there, as torch's hook does).
+// overflow there, as torch's hook does); the reduce-scatter exchange sends the mean in 16 bits,
+// so it returns +-inf exactly where the mean rounds beyond fp16's range, and the mean elsewhere.
 TEST(HookNumerics, Fp16CompressDividesBeforeCasting) {
   for (int world : {2, 4}) {
     for (bool all_large : {false, true}) {
@@ -333,8 +334,9 @@ TEST(HookNumerics, Fp16CompressDividesBeforeCasting) {
         }
       }
       // Not kAllreduce: Gloo's fp16 sum is wrong for some of these magnitudes (see
-      // GlooFp16AllreduceBugIsAvoided below).
-      const ExchangeMode modes[] = {ExchangeMode::kAuto, ExchangeMode::kAllgather};
+      // GlooFp16AllreduceBugIsAvoided below). kAuto is kAllgather on 2 ranks, kReduceScatter on 4.
+      const ExchangeMode modes[] = {ExchangeMode::kAuto, ExchangeMode::kAllgather,
+                                    ExchangeMode::kReduceScatter};
       ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
         for (ExchangeMode m : modes) {
           const std::string what = "fp16 near max, world " + std::to_string(world) +
@@ -343,8 +345,34 @@ TEST(HookNumerics, Fp16CompressDividesBeforeCasting) {
           at::Tensor buffer = input_of(rank);
           auto fut = run_fp16_hook(pg, m, buffer);
           ASSERT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
-          EXPECT_TRUE(at::isfinite(buffer).all().item<bool>()) << what;
-          expect_close(buffer, want, (world + 2) * ddpx_test::unit_roundoff(at::kHalf), what);
+          const bool scattered =
+              m == ExchangeMode::kReduceScatter || (m == ExchangeMode::kAuto && world >= 3);
+          if (!scattered || !all_large) {
+            EXPECT_TRUE(at::isfinite(buffer).all().item<bool>()) << what;
+            expect_close(buffer, want, (world + 2) * ddpx_test::unit_roundoff(at::kHalf), what);
+            continue;
+          }
+          // Beyond 65520 a mean rounds to inf in fp16; below 65504 it stays finite.
+          std::vector<double> got = ddpx_test::to_doubles(buffer);
+          Expected in_range{std::vector<double>(n, 0.0), std::vector<double>(n, 1.0)};
+          int64_t overflowed = 0, wrong = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            const double mean = want.mean[i];
+            if (std::fabs(mean) > 65520 * (1 + 1e-6)) {
+              ++overflowed;
+              wrong += !(std::isinf(got[i]) && (got[i] > 0) == (mean > 0));
+              in_range.mean[i] = got[i] = 0.0;  // compared below as 0 == 0
+            } else if (std::fabs(mean) < 65504) {
+              in_range.mean[i] = mean;
+              in_range.mean_abs[i] = want.mean_abs[i];
+            } else {
+              in_range.mean[i] = got[i] = 0.0;  // at the edge: rounds either way
+            }
+          }
+          EXPECT_GT(overflowed, 0) << what << ": the case should reach beyond fp16's range";
+          EXPECT_EQ(wrong, 0) << what << ": means beyond fp16's range must be +-inf";
+          expect_close(ddpx_test::make_tensor(got, at::kDouble), in_range,
+                       (world + 2) * ddpx_test::unit_roundoff(at::kHalf), what);
         }
       });
     }

@@ -234,15 +234,18 @@ def _seq_sum(rows: Sequence[torch.Tensor], acc_dtype: torch.dtype) -> torch.Tens
 
 
 def ref_compress_hook(local: Sequence[torch.Tensor], dtype16: torch.dtype) -> torch.Tensor:
-    """ddpx fp16/bf16_compress_hook on Gloo: each rank casts x_r / W to 16 bits in one rounding,
-    the 16-bit values are gathered and summed in fp32 (fp64 for fp64 buckets), result in the
-    bucket's dtype."""
+    """ddpx fp16/bf16_compress_hook on Gloo: each rank casts x_r / W to 16 bits in one rounding;
+    on 1 or 2 ranks the 16-bit values are gathered and summed in fp32 (fp64 for fp64 buckets),
+    the result in the bucket's dtype; on 3 or more (the reduce-scatter exchange) each chunk's
+    owner sums them in fp32 and rounds the sum to 16 bits once, which every rank receives."""
     w = len(local)
     out_dtype = local[0].dtype
     # The kernels scale in fp64 for fp64 buckets (then round to fp32 and 16 bits, as torch's
     # .to() does), in fp32 otherwise.
     rows = [(x * (1.0 / w if x.dtype == torch.float64 else _scale_of(w))).float().to(dtype16)
             if w != 1 else x.float().to(dtype16) for x in local]
+    if w >= 3:
+        return _seq_sum(rows, torch.float32).to(dtype16).to(out_dtype)
     acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     return _seq_sum(rows, acc_dtype).to(out_dtype)
 

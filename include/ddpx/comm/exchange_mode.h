@@ -24,7 +24,10 @@ bool backend_sums_natively(const c10d::ProcessGroup& pg, at::ScalarType dtype,
 
 // How the hooks' 16-bit values travel between ranks.
 enum class ExchangeMode {
-  // kAllgather where backend_sums_natively() is false, kAllreduce otherwise.
+  // Where backend_sums_natively() is true, kAllreduce. Otherwise kReduceScatter on 3 or more
+  // ranks in the hooks that can defer a second collective (fp16/bf16_compress_hook, and
+  // allreduce_hook on 16-bit buckets), kAllgather everywhere else (2 ranks; PowerSGD's factors
+  // and the averagers, which issue one collective per call).
   kAuto = 0,
   // The backend's allreduce in the values' own dtype. Fast on NCCL; see backend_sums_natively()
   // for why not on Gloo.
@@ -36,16 +39,27 @@ enum class ExchangeMode {
   // (2 * (world_size - 1) / world_size * numel * 4) up to 4 ranks, half of it on 2 ranks; and no
   // 16-bit rounding of partial sums.
   kAllgather = 2,
+  // Two all-to-alls: each rank sends chunk c of its 16-bit values to rank c, which sums the
+  // world_size rows of its chunk in fp32 in rank order and rounds the sum to 16 bits once; then
+  // each rank sends its summed chunk to every peer. Sends 2 * (world_size - 1) / world_size *
+  // numel * 2 bytes per rank, a ring allreduce's count in 16 bits: on 3 ranks 2/3 of kAllgather's,
+  // on 8 ranks 2/7. Replicas stay identical (each chunk is summed by one rank). The second
+  // all-to-all needs the first one's result, so a hook issues it from its next runHook
+  // (comm::ReduceScatterSum, DeferredCollective); sum_into refuses this mode.
+  kReduceScatter = 3,
 };
 
-// Parses "auto" / "allreduce" / "allgather"; c10::Error naming the choices otherwise.
+// Parses "auto" / "allreduce" / "allgather" / "reduce_scatter"; c10::Error naming the choices
+// otherwise.
 ExchangeMode parse_exchange_mode(const std::string& name);
 const char* exchange_mode_name(ExchangeMode mode);
 
 // The mode kAuto resolves to for values of `wire_dtype` (the dtype that travels) on `device`,
-// exchanged over `pg`. Other modes are returned as they are.
+// exchanged over `pg`, by a caller that can (`two_rounds`) or cannot defer a second collective
+// to its next call. Other modes are returned as they are.
 ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& pg,
-                                   at::ScalarType wire_dtype, const c10::Device& device);
+                                   at::ScalarType wire_dtype, const c10::Device& device,
+                                   bool two_rounds = false);
 
 }  // namespace comm
 

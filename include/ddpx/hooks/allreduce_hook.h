@@ -4,12 +4,19 @@
 #include <ddpx/comm/exchange_mode.h>
 #include <ddpx/hooks/comm_hook.h>
 
+#include <memory>
+
 namespace ddpx {
+namespace comm {
+class ReduceScatterSum;
+}  // namespace comm
+
 namespace hooks {
 
 // For fp32/fp64 buckets: divides by the group size and allreduces, exactly as torch's
 // allreduce_hook (bit-identical results). For 16-bit buckets (e.g. inside fp16_compress_wrapper)
-// the exchange mode applies: on Gloo/CPU the 16-bit values are gathered and summed in fp32.
+// the exchange mode applies: on Gloo/CPU the 16-bit values are summed in fp32, gathered on 2
+// ranks, reduce-scattered and gathered back on 3 or more (see CompressHook); the same result.
 class AllreduceHook final : public CommHook {
  public:
   explicit AllreduceHook(ProcessGroupPtr process_group,
@@ -24,6 +31,7 @@ class AllreduceHook final : public CommHook {
  private:
   ProcessGroupPtr pg_;
   ExchangeMode exchange_;
+  std::shared_ptr<comm::ReduceScatterSum> scatter_;  // kReduceScatter's deferred second round
 };
 
 // Factory mirroring torch's name.
