@@ -198,22 +198,29 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg
   return sum_into(pg, tensor, tensor, 1.0, ExchangeMode::kAllreduce);
 }
 
+namespace {
+// Chunk starts on multiples of 64 elements (see exchange_chunk_length).
+int64_t ceil_div_aligned(int64_t n, int64_t parts) {
+  return ((n + parts - 1) / parts + 63) / 64 * 64;
+}
+}  // namespace
+
 int64_t exchange_chunk_length(int64_t n) {
   constexpr int64_t kChunkElements = 1 << 20;
   constexpr int64_t kMaxChunks = 8;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, n / kChunkElements));
-  if (chunks == 1) return n;
-  return ((n + chunks - 1) / chunks + 63) / 64 * 64;
+  return chunks == 1 ? n : ceil_div_aligned(n, chunks);
+}
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+FuturePtr future_on(const at::Tensor& value) {
+  std::vector<c10::Device> devices;
+  if (!value.device().is_cpu()) devices.push_back(value.device());
+  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
 }
 
 namespace {
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
-
-std::vector<c10::Device> devices_of(const at::Tensor& t) {
-  std::vector<c10::Device> devices;
-  if (!t.device().is_cpu()) devices.push_back(t.device());
-  return devices;
-}
 
 void complete_when_all_done(const c10::List<FuturePtr>& parts, const at::Tensor& value,
                             const FuturePtr& result) {
@@ -237,7 +244,7 @@ void complete_when_all_done(const c10::List<FuturePtr>& parts, const at::Tensor&
 }  // namespace
 
 FuturePtr all_done(const c10::List<FuturePtr>& parts, const at::Tensor& value) {
-  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices_of(value));
+  FuturePtr result = future_on(value);
   complete_when_all_done(parts, value, result);
   return result;
 }
@@ -252,8 +259,12 @@ struct ScatterRound {
   at::ScalarType wire;
   double post_scale;
   int64_t n, rank, own_begin, own_len;
-  std::vector<int64_t> lengths;  // of every rank's chunk
-  at::Tensor send, recv;         // round one's bytes: [n] staged, [(world - 1) * own_len] got
+  // All-to-all split sizes in bytes, 0 for this rank: every rank's chunk (what round one sends
+  // to each peer and round two receives from it), and this rank's own chunk (what round one
+  // receives from each peer and round two sends to it). Passed as copies: ProcessGroupGloo
+  // moves from its split-size arguments.
+  std::vector<int64_t> chunk_splits, own_splits;
+  at::Tensor send, recv;  // round one's bytes: [n] staged, [(world - 1) * own_len] got
   FuturePtr round_one;
 };
 
@@ -273,12 +284,10 @@ std::shared_ptr<ScatterRound> start_round_one(const ProcessGroupPtr& pg, const a
   j->post_scale = post_scale;
   j->n = src.numel();
   j->rank = pg->getRank();
-  const int64_t step = ((j->n + world - 1) / world + 63) / 64 * 64;
-  for (int64_t c = 0; c < world; ++c) {
-    j->lengths.push_back(std::max<int64_t>(0, std::min(step, j->n - c * step)));
-  }
+  const int64_t step = ceil_div_aligned(j->n, world);
+  auto length_of = [&](int64_t c) { return std::max<int64_t>(0, std::min(step, j->n - c * step)); };
   j->own_begin = std::min(j->n, j->rank * step);
-  j->own_len = j->lengths[static_cast<size_t>(j->rank)];
+  j->own_len = length_of(j->rank);
   auto& pool = StagingPool::instance();
   j->send = pool.acquire(j->n * es, src.options());
   j->recv = pool.acquire((world - 1) * j->own_len * es, src.options());
@@ -289,12 +298,12 @@ std::shared_ptr<ScatterRound> start_round_one(const ProcessGroupPtr& pg, const a
   cast_piece(src, 0, staged, 0, j->own_begin, pre_scale);
   cast_piece(src, own_end, staged, j->own_begin, j->n - own_end, pre_scale);
   cast_piece(src, j->own_begin, staged, j->n - j->own_len, j->own_len, pre_scale);
-  std::vector<int64_t> in_splits, out_splits;  // bytes to, and from, each rank
   for (int64_t c = 0; c < world; ++c) {
     const bool self = c == j->rank;
-    in_splits.push_back(self ? 0 : j->lengths[static_cast<size_t>(c)] * es);
-    out_splits.push_back(self ? 0 : j->own_len * es);
+    j->chunk_splits.push_back(self ? 0 : length_of(c) * es);
+    j->own_splits.push_back(self ? 0 : j->own_len * es);
   }
+  std::vector<int64_t> in_splits = j->chunk_splits, out_splits = j->own_splits;
   at::Tensor peers_part = j->send.narrow(0, 0, (j->n - j->own_len) * es);
   auto work = compat::all_to_all_single(*pg, j->recv, peers_part, out_splits, in_splits);
   j->round_one = future_of(*work, src.device());
@@ -325,12 +334,7 @@ FuturePtr issue_round_two(const ProcessGroupPtr& pg, ScatterRound& j) {
   pool.release(std::move(j.send));
   pool.release(std::move(j.recv));
   at::Tensor recv = pool.acquire((j.n - j.own_len) * es, send.options());
-  std::vector<int64_t> in_splits, out_splits;
-  for (int64_t c = 0; c < world; ++c) {
-    const bool self = c == j.rank;
-    in_splits.push_back(self ? 0 : j.own_len * es);
-    out_splits.push_back(self ? 0 : j.lengths[static_cast<size_t>(c)] * es);
-  }
+  std::vector<int64_t> in_splits = j.own_splits, out_splits = j.chunk_splits;
   auto work = compat::all_to_all_single(*pg, recv, send, out_splits, in_splits);
   const at::ScalarType wire = j.wire;
   const int64_t n = j.n, own_begin = j.own_begin, own_len = j.own_len;
@@ -367,14 +371,14 @@ FuturePtr ReduceScatterSum::start(const ProcessGroupPtr& pg, const at::Tensor& s
     deferred_.flush();
     return cast_gather_sum_into(pg, src, wire_dtype, pre_scale, out, post_scale);
   }
-  const int64_t step = std::max<int64_t>(1, exchange_chunk_length(n));
+  const int64_t step = exchange_chunk_length(n);  // n > 0 here, so step > 0
   std::vector<std::shared_ptr<ScatterRound>> rounds;
   for (int64_t begin = 0; begin < n; begin += step) {
     const int64_t len = std::min(step, n - begin);
     rounds.push_back(start_round_one(pg, src.narrow(0, begin, len), wire_dtype, pre_scale,
                                      out.narrow(0, begin, len), post_scale));
   }
-  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices_of(out));
+  FuturePtr result = future_on(out);
   DeferredCollective::Step step_two{
       [pg, rounds, out, result] {
         c10::List<FuturePtr> parts(c10::FutureType::create(c10::TensorType::get()));

@@ -49,6 +49,10 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg
 // `n` elements; n itself when there is one chunk.
 int64_t exchange_chunk_length(int64_t n);
 
+// An empty future on `value`'s device (CUDA-aware where `value` is not on CPU), for a hook's
+// result that another future's callback completes.
+c10::intrusive_ptr<c10::ivalue::Future> future_on(const at::Tensor& value);
+
 // A future on `value`'s device that completes with `value` once every one of `parts` has.
 // Not c10::collectAll(...)->then(...): collectAll's future has no devices, and neither would its
 // then(), so on CUDA DDP's wait would not order the autograd stream after the parts' kernels,

@@ -40,12 +40,6 @@ at::ScalarType compute_dtype_for(const at::Tensor& input) {
   return input.element_size() == 2 ? at::kFloat : input.scalar_type();
 }
 
-FuturePtr make_result_future(const at::Tensor& t) {
-  std::vector<c10::Device> devices;
-  if (t.is_cuda()) devices.push_back(t.device());
-  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
-}
-
 std::string join_keys(const std::vector<int64_t>& keys) {
   std::string s;
   for (size_t i = 0; i < keys.size(); ++i) s += (i ? "," : "") + std::to_string(keys[i]);
@@ -378,7 +372,7 @@ std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::Grad
   job->epsilon = o.orthogonalization_epsilon;
   job->world = st.process_group()->getSize();
   job->input = input;
-  job->result = make_result_future(input);
+  job->result = comm::future_on(input);
   st.add_compression_stats(L.numel_before, L.numel_after);
 
   if (batched) {
