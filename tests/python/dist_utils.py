@@ -128,7 +128,10 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
     result_path = _result_path = os.path.join(outdir, f"rank{rank}.pt")
     error_path = os.path.join(outdir, f"rank{rank}.err")
     try:
+        # Every rank is on this machine: Gloo and TensorPipe (RPC) on loopback, instead of an
+        # address guessed from the host name, which a machine without a network may not have.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
         # W ranks share this machine's cores: one intra-op thread each avoids oversubscription
         # and keeps results independent of the machine's core count.
         torch.set_num_threads(threads)

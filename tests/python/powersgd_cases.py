@@ -231,6 +231,12 @@ def rank_train(rank: int, world_size: int, configs: Sequence[Dict[str, Any]], st
     compression_stats(), the keys of q_memory_dict / error_dict with the Q sizes (ddpx), and,
     with local_grads, each step's local (not averaged) gradient."""
     device_ids = [torch.device(device).index or 0] if device.startswith("cuda") else None
+    if device.startswith("cuda"):
+        # The runs are compared bit for bit (drop-in against native, ddpx against torch before
+        # compression starts), and cuDNN's default algorithms for the conv's weight gradient may
+        # accumulate in a different order from one run to the next.
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
     out = []
     for cfg in configs:
         ddp = wrap_ddp(make_model(device), first_bucket_bytes, device_ids=device_ids)

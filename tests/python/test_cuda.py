@@ -128,12 +128,14 @@ def rank_big_bucket(rank: int, world_size: int):
     """One DDP bucket of 2.4M fp32 gradients (above the 2^21-element chunking threshold) on CUDA
     tensors over Gloo: ddpx's fp16/bf16 hooks split it into chunks whose sums run on other
     streams. The gradients are read right after backward(), with only DDP's own wait between,
-    while a side stream keeps the GPU busy: they must be the closed form, every step."""
+    while a side stream keeps the GPU busy: they must be the closed form, every step. The side
+    stream spins (torch.cuda._sleep) rather than multiplying matrices: cuBLAS promises the same
+    bits only while one stream is active, and the expected values come from a run without the
+    side work."""
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
     out = {}
     side = torch.cuda.Stream()
-    busy = torch.randn(2048, 2048, device="cuda")
     for name in ("fp16", "bf16"):
         torch.manual_seed(0)
         local_model = nn.Sequential(nn.Linear(1200, 2000), nn.Linear(2000, 8)).cuda()
@@ -148,8 +150,7 @@ def rank_big_bucket(rank: int, world_size: int):
             local_model.zero_grad()
             local_model(x).square().sum().backward()
             with torch.cuda.stream(side):
-                for _ in range(4):
-                    busy = busy @ busy / 2048  # keeps the GPU busy on another stream
+                torch.cuda._sleep(50_000_000)  # tens of ms of another stream's work
             ddp.zero_grad()
             ddp(x).square().sum().backward()
             got = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]).clone()
