@@ -8,6 +8,8 @@
 //    bucket), which one block would walk through alone, on one SM (review finding F1).
 #include <cooperative_groups.h>
 
+#include <atomic>
+
 #include "cuda_check.h"
 #include "cuda_occupancy.h"
 #include "orthogonalize_cuda.h"
@@ -227,10 +229,18 @@ __global__ void __launch_bounds__(kTallThreads, 1)
       const T inv = zero ? T(0) : T(1.0 / denom);
       // A tiny column: 1/norm overflows T (see orthogonalize_cpu.cpp); divide in double.
       const T q = isfinite(inv) ? T(mi * inv) : T(double(mi) / denom);
+      // The later columns' coefficients <q_i, m_c> = <m_i, m_c> / (|m_i| + eps), divided once
+      // per block rather than by every thread (the same quotients). Only tot[0] was read above,
+      // and no thread rewrites it here.
+      if (threadIdx.x < kTallValues) {
+        const int t = threadIdx.x;
+        if (t >= i + 2 && t < r + 1) tot[t] = zero ? 0.0 : tot[t] / denom;
+      }
+      __syncthreads();
 #pragma unroll
       for (int c = 0; c < kGsTallMaxCols; ++c) {
         if (c == i) row[c] = q;
-        if (c > i && c < r) row[c] -= T(zero ? 0.0 : tot[1 + c] / denom) * q;
+        if (c > i && c < r) row[c] -= T(tot[1 + c]) * q;
       }
       __syncthreads();  // tot[] is rewritten by the next step
     }
@@ -243,26 +253,36 @@ __global__ void __launch_bounds__(kTallThreads, 1)
   }
 }
 
+std::atomic<bool> refuse_cooperative{false};
+
 template <typename T>
-void launch_gs(T* data, const int64_t* offsets, const int64_t* rows, const int64_t* cols,
-               int64_t count, double eps, cudaStream_t stream, const GsPlan& plan,
-               double* scratch) {
-  if (count <= 0) return;
+cudaError_t launch_gs(T* data, const int64_t* offsets, const int64_t* rows, const int64_t* cols,
+                      int64_t count, double eps, cudaStream_t stream, const GsPlan& plan,
+                      double* scratch) {
+  if (count <= 0) return cudaSuccess;
+  cudaError_t refused = cudaSuccess;
   if (plan.tall_blocks > 0 && scratch != nullptr) {
     int passes = plan.passes;
     int64_t max_cols = plan.max_cols;
     void* args[] = {&data, &offsets, &rows, &cols, &count, &eps, &scratch, &max_cols, &passes};
-    const cudaError_t err = cudaLaunchCooperativeKernel(
-        reinterpret_cast<const void*>(&gram_schmidt_tall_kernel<T>),
-        dim3(static_cast<unsigned>(plan.tall_blocks)), dim3(kTallThreads), args, 0, stream);
-    if (err == cudaSuccess) return;
-    // The plan no longer fits (another device current, say): one block per matrix instead.
-    if (err != cudaErrorCooperativeLaunchTooLarge) DDPX_CUDA_CHECK(err);
+    const unsigned blocks = refuse_cooperative.load(std::memory_order_relaxed)
+                                ? 0u
+                                : static_cast<unsigned>(plan.tall_blocks);
+    refused =
+        cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&gram_schmidt_tall_kernel<T>),
+                                    dim3(blocks), dim3(kTallThreads), args, 0, stream);
+    if (refused == cudaSuccess) return cudaSuccess;
+    // Refused at launch, so nothing ran: whatever the reason (the plan no longer fits, another
+    // device current, MPS or a virtualised GPU refusing cooperative launches), one block per
+    // matrix computes the same. The refusal is cleared first; an error that survives clearing
+    // is sticky (the context is broken) and is reported as it is.
     (void)cudaGetLastError();
+    if (cudaPeekAtLastError() != cudaSuccess) DDPX_CUDA_CHECK(refused);
   }
   gram_schmidt_kernel<T>
       <<<static_cast<unsigned>(count), kThreads, 0, stream>>>(data, offsets, rows, cols, eps);
   DDPX_CUDA_CHECK(cudaGetLastError());
+  return refused;
 }
 
 template <typename T>
@@ -277,7 +297,7 @@ GsPlan plan_for(const int64_t* rows, const int64_t* cols, int64_t count, int64_t
   }
   if (count == 0 || longest < min_rows || widest == 0) return plan;
   if (device_attribute<cudaDevAttrCooperativeLaunch>() == 0 ||
-      blocks > resident_blocks<gram_schmidt_tall_kernel<T>, kTallThreads>()) {
+      blocks > resident_blocks<gram_schmidt_tall_kernel<T>, kTallThreads>() / 2) {
     return plan;
   }
   plan.tall_blocks = blocks;
@@ -298,15 +318,19 @@ int64_t orthogonalize_cuda_scratch(const GsPlan& plan) {
   return plan.tall_blocks > 0 ? 2 * plan.tall_blocks * kTallValues : 0;
 }
 
-void orthogonalize_cuda(float* data, const int64_t* offsets, const int64_t* rows,
-                        const int64_t* cols, int64_t count, float epsilon, cudaStream_t stream,
-                        const GsPlan& plan, double* scratch) {
-  launch_gs(data, offsets, rows, cols, count, epsilon, stream, plan, scratch);
+cudaError_t orthogonalize_cuda(float* data, const int64_t* offsets, const int64_t* rows,
+                               const int64_t* cols, int64_t count, float epsilon,
+                               cudaStream_t stream, const GsPlan& plan, double* scratch) {
+  return launch_gs(data, offsets, rows, cols, count, epsilon, stream, plan, scratch);
 }
-void orthogonalize_cuda(double* data, const int64_t* offsets, const int64_t* rows,
-                        const int64_t* cols, int64_t count, double epsilon, cudaStream_t stream,
-                        const GsPlan& plan, double* scratch) {
-  launch_gs(data, offsets, rows, cols, count, epsilon, stream, plan, scratch);
+cudaError_t orthogonalize_cuda(double* data, const int64_t* offsets, const int64_t* rows,
+                               const int64_t* cols, int64_t count, double epsilon,
+                               cudaStream_t stream, const GsPlan& plan, double* scratch) {
+  return launch_gs(data, offsets, rows, cols, count, epsilon, stream, plan, scratch);
+}
+
+void refuse_cooperative_launches_for_testing(bool refuse) {
+  refuse_cooperative.store(refuse, std::memory_order_relaxed);
 }
 }  // namespace kernels
 }  // namespace ddpx

@@ -35,7 +35,8 @@ MatrixPack::MatrixPack(std::vector<int64_t> offsets, std::vector<int64_t> rows,
     std::vector<int64_t> all(offsets_);
     all.insert(all.end(), rows_.begin(), rows_.end());
     all.insert(all.end(), cols_.begin(), cols_.end());
-    device_desc_ = at::tensor(all, at::kLong).view({3, count()}).to(device);
+    for (int64_t o : offsets_) all.push_back(o - begin_);
+    device_desc_ = at::tensor(all, at::kLong).view({4, count()}).to(device);
   }
 }
 
@@ -54,24 +55,13 @@ MatrixPack MatrixPack::back_to_back(std::vector<int64_t> rows, std::vector<int64
   return MatrixPack(std::move(offsets), std::move(rows), std::move(cols), device);
 }
 
-void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon, bool spread) {
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(),
-              "orthogonalize_: expected a contiguous 1-D buffer");
-  if (pack.count() == 0) return;
-  // An out-of-bounds write on the GPU would leave a sticky error in the CUDA context.
-  TORCH_CHECK(pack.extent() <= flat.numel(), "orthogonalize_: the matrices extend to element ",
-              pack.extent(), " but the buffer has ", flat.numel());
-  if (flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16) {
-    // In fp32, converting only the matrices' region (review F2: the whole buffer, uncompressed
-    // values included, went through fp32 on every call). Elements of the region between
-    // matrices round-trip exactly; those outside it are neither read nor written.
-    const int64_t begin = pack.begin(), length = pack.extent() - pack.begin();
-    at::Tensor wide = at::empty({pack.extent()}, flat.options().dtype(at::kFloat));
-    wide.narrow(0, begin, length).copy_(flat.narrow(0, begin, length));
-    orthogonalize_(wide, pack, epsilon, spread);
-    flat.narrow(0, begin, length).copy_(wide.narrow(0, begin, length));
-    return;
-  }
+namespace {
+
+// orthogonalize_ on a float or double `flat` that holds the pack's matrices at their offsets
+// minus `shift`: 0 (the buffer itself) or pack.begin() (a copy of the region alone).
+void orthogonalize_wide(const at::Tensor& flat, const MatrixPack& pack, int64_t shift,
+                        double epsilon, bool spread) {
+  TORCH_INTERNAL_ASSERT(shift == 0 || shift == pack.begin());
   AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "orthogonalize_", [&] {
     const auto eps = static_cast<scalar_t>(epsilon);
     if (flat.is_cuda()) {
@@ -81,6 +71,7 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
                   "orthogonalize_: the MatrixPack was built for another device");
       const int64_t* base = d.data_ptr<int64_t>();
       const int64_t n = pack.count();
+      const int64_t* offsets = shift == 0 ? base : base + 3 * n;
       const CudaLaunch launch(flat);
       // A few tall matrices are spread over several blocks each (kernels/orthogonalize_cuda.h);
       // their blocks combine sums through a scratch buffer from the caching allocator.
@@ -100,17 +91,48 @@ void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsil
         scratch = at::empty({kernels::orthogonalize_cuda_scratch(plan)},
                             flat.options().dtype(at::kDouble));
       }
-      kernels::orthogonalize_cuda(flat.data_ptr<scalar_t>(), base, base + n, base + 2 * n, n, eps,
-                                  launch.stream(), plan,
-                                  scratch.defined() ? scratch.data_ptr<double>() : nullptr);
+      const cudaError_t refused = kernels::orthogonalize_cuda(
+          flat.data_ptr<scalar_t>(), offsets, base + n, base + 2 * n, n, eps, launch.stream(), plan,
+          scratch.defined() ? scratch.data_ptr<double>() : nullptr);
+      if (refused != cudaSuccess) {
+        TORCH_WARN_ONCE("orthogonalize_: this GPU refused the cooperative launch of the ",
+                        "multi-block Gram-Schmidt kernel (", cudaGetErrorString(refused),
+                        "); one block per matrix is used instead, with the same results but ",
+                        "slower for tall matrices (DDPX_GS_TALL=0 skips the attempt)");
+      }
 #else
       TORCH_CHECK(false, "orthogonalize_: ddpx was built without CUDA support");
 #endif
       return;
     }
-    kernels::orthogonalize_cpu(flat.data_ptr<scalar_t>(), pack.offsets().data(), pack.rows().data(),
+    std::vector<int64_t> offsets = pack.offsets();
+    for (int64_t& o : offsets) o -= shift;
+    kernels::orthogonalize_cpu(flat.data_ptr<scalar_t>(), offsets.data(), pack.rows().data(),
                                pack.cols().data(), pack.count(), eps);
   });
+}
+
+}  // namespace
+
+void orthogonalize_(const at::Tensor& flat, const MatrixPack& pack, double epsilon, bool spread) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(),
+              "orthogonalize_: expected a contiguous 1-D buffer");
+  if (pack.count() == 0) return;
+  // An out-of-bounds write on the GPU would leave a sticky error in the CUDA context.
+  TORCH_CHECK(pack.extent() <= flat.numel(), "orthogonalize_: the matrices extend to element ",
+              pack.extent(), " but the buffer has ", flat.numel());
+  if (flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16) {
+    // In fp32, converting only the matrices' region, into a buffer of the region's size alone
+    // (PowerSGD's P region starts after its uncompressed values, which need no fp32 copy).
+    // Elements of the region between matrices round-trip exactly; those outside it are neither
+    // read nor written.
+    const int64_t begin = pack.begin(), length = pack.extent() - pack.begin();
+    const at::Tensor wide = flat.narrow(0, begin, length).to(at::kFloat);
+    orthogonalize_wide(wide, pack, begin, epsilon, spread);
+    flat.narrow(0, begin, length).copy_(wide);
+    return;
+  }
+  orthogonalize_wide(flat, pack, 0, epsilon, spread);
 }
 
 }  // namespace ops

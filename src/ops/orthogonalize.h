@@ -30,7 +30,8 @@ class MatrixPack {
   // The first element any matrix covers (0 for an empty pack): [begin(), extent()) is the region
   // orthogonalize_ reads and writes.
   int64_t begin() const { return begin_; }
-  // [3, count] int64 on the device: offsets, rows, cols (CUDA only; undefined on CPU).
+  // [4, count] int64 on the device: offsets, rows, cols, and offsets - begin() (the matrices'
+  // places in a copy of the region alone) (CUDA only; undefined on CPU).
   const at::Tensor& device_descriptors() const { return device_desc_; }
 
  private:

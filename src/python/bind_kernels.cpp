@@ -5,11 +5,17 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <memory>
+
 #include "bind_utils.h"
 #include "kernels/cast.h"
 #include "ops/cast.h"
 #include "ops/lowrank.h"
 #include "ops/orthogonalize.h"
+
+#ifdef DDPX_WITH_CUDA
+#include "kernels/orthogonalize_cuda.h"
+#endif
 
 namespace ddpx {
 namespace python {
@@ -50,6 +56,25 @@ void bind_kernels(py::module& m) {
       "back to back in `flat` from element `first` (PowerSGD's batched Gram-Schmidt kernel; CPU "
       "or CUDA; spread=False keeps one CUDA block per matrix).");
   m.def(
+      "prepare_orthogonalize_",
+      [](const at::Tensor& flat, const std::vector<int64_t>& rows, const std::vector<int64_t>& cols,
+         double epsilon, int64_t first, bool spread) {
+        // The descriptors are uploaded here, once (a synchronous copy), as the PowerSGD hook
+        // does once per bucket layout: a timed call of the result launches the kernel alone.
+        auto pack = std::make_shared<ops::MatrixPack>(
+            ops::MatrixPack::back_to_back(rows, cols, flat.device(), first));
+        return py::cpp_function(
+            [pack, epsilon, spread](const at::Tensor& t) {
+              py::gil_scoped_release no_gil;
+              ops::orthogonalize_(t, *pack, epsilon, spread);
+            },
+            py::arg("flat"));
+      },
+      py::arg("flat"), py::arg("rows"), py::arg("cols"), py::arg("epsilon") = 0.0,
+      py::arg("first") = 0, py::arg("spread") = true,
+      "orthogonalize_ with the matrices' descriptors prepared once: returns f(flat) that "
+      "orthogonalises, in place, a buffer on flat's device laid out as `flat` (for benchmarks).");
+  m.def(
       "lowrank_",
       [](const std::string& op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
         py::gil_scoped_release no_gil;
@@ -67,6 +92,18 @@ void bind_kernels(py::module& m) {
       "PowerSGD's products on 3-D batches, into `out`: project P = M Q (a=M, b=Q), project_t "
       "Q = M^T P (a=M, b=P), reconstruct M = P Q^T (a=P, b=Q).");
   m.def("cpu_has_fast_half", &kernels::cpu_has_fast_half, "True when the CPU kernels use F16C.");
+  m.def(
+      "_refuse_cooperative_launches_for_testing",
+      [](bool refuse) {
+#ifdef DDPX_WITH_CUDA
+        kernels::refuse_cooperative_launches_for_testing(refuse);
+#else
+        (void)refuse;
+#endif
+      },
+      py::arg("refuse"),
+      "For tests: while True, the multi-block Gram-Schmidt's cooperative launches are refused "
+      "by the CUDA runtime (a grid of no blocks), so that orthogonalize_ takes its fallback.");
 }
 
 }  // namespace python

@@ -589,8 +589,11 @@ struct Stream {
 // Runs the CUDA kernel on `data`: one block per matrix, or, with tall_min_rows >= 0, the plan
 // for that threshold, which must be a tall one (several blocks per matrix), so that a test of
 // the tall way cannot silently test the other.
+// `refused` (if given) receives what the cooperative launch was refused with (cudaSuccess: not
+// refused).
 template <typename T>
-void run_cuda(const Pack<T>& p, std::vector<T>& data, double epsilon, int64_t tall_min_rows = -1) {
+void run_cuda(const Pack<T>& p, std::vector<T>& data, double epsilon, int64_t tall_min_rows = -1,
+              cudaError_t* refused = nullptr) {
   Stream stream;
   ASSERT_TRUE(stream.ok);
   DeviceVector<T> d(data, stream.s);
@@ -606,8 +609,10 @@ void run_cuda(const Pack<T>& p, std::vector<T>& data, double epsilon, int64_t ta
   DeviceVector<double> scratch(
       std::vector<double>(static_cast<size_t>(k::orthogonalize_cuda_scratch(plan))), stream.s);
   ASSERT_TRUE(scratch.ptr);
-  k::orthogonalize_cuda(d.ptr, off.ptr, rows.ptr, cols.ptr, count, static_cast<T>(epsilon),
-                        stream.s, plan, plan.tall_blocks > 0 ? scratch.ptr : nullptr);
+  const cudaError_t got =
+      k::orthogonalize_cuda(d.ptr, off.ptr, rows.ptr, cols.ptr, count, static_cast<T>(epsilon),
+                            stream.s, plan, plan.tall_blocks > 0 ? scratch.ptr : nullptr);
+  if (refused != nullptr) *refused = got;
   DDPX_ASSERT_CUDA(cudaStreamSynchronize(stream.s));
   DDPX_ASSERT_CUDA(cudaGetLastError());
   data = d.to_host();
@@ -712,8 +717,35 @@ TEST(OrthogonalizeCudaEpsilon, TinyColumnStaysFiniteAndUnitNorm) {
   }
 }
 
+// A cooperative launch refused by the runtime (forced here with a grid of no blocks; on a real
+// machine, e.g. a GPU shared through MPS that has the attribute and refuses the launch) leaves no
+// error behind and falls back to one block per matrix: the one-block kernel's results, bit for
+// bit, and the refusal reported to the caller.
+TEST(OrthogonalizeCudaFallback, RefusedCooperativeLaunchTakesOneBlockPerMatrix) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const std::vector<Shape> shapes = tall_shapes(17);
+  Pack<float> p = make_pack<float>(shapes, 23);
+  std::vector<float> one_block = p.data, refused = p.data;
+  run_cuda(p, one_block, 0.0);
+  if (::testing::Test::HasFatalFailure()) return;
+  cudaError_t why = cudaSuccess;
+  k::refuse_cooperative_launches_for_testing(true);
+  run_cuda(p, refused, 0.0, 1, &why);
+  k::refuse_cooperative_launches_for_testing(false);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_EQ(why, cudaErrorInvalidConfiguration) << cudaGetErrorString(why);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(refused.size(), one_block.size());
+  EXPECT_EQ(std::memcmp(refused.data(), one_block.data(), refused.size() * sizeof(float)), 0);
+  EXPECT_NE(std::memcmp(refused.data(), p.data.data(), refused.size() * sizeof(float)), 0);
+  // And the cooperative launch works again once allowed.
+  std::vector<float> tall = p.data;
+  run_cuda(p, tall, 0.0, 1, &why);
+  EXPECT_EQ(why, cudaSuccess);
+}
+
 // The plan: tall only for matrices of at most 32 columns, one of them at least min_rows long,
-// and only as many blocks as the GPU holds at once (else one block per matrix).
+// and only as many blocks as half the GPU holds at once (else one block per matrix).
 TEST(OrthogonalizeCudaPlan, TallOnlyWhereItFits) {
   DDPX_SKIP_WITHOUT_GPU();
   const std::vector<int64_t> rows = {4096, 100}, cols = {32, 4};

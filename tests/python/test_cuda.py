@@ -198,6 +198,37 @@ def test_cuda_orthogonalize_matches_cpu_up_to_rank_32(dtype, tall):
         assert (a.T @ a - torch.eye(r, dtype=torch.float64)).abs().max() <= tol * r, (n, r)
 
 
+def test_cuda_orthogonalize_refused_cooperative_launch_falls_back():
+    """A cooperative launch the CUDA runtime refuses (forced here: a grid of no blocks; on a real
+    machine, e.g. a GPU shared through MPS) falls back to one block per matrix, with a warning:
+    the one-block kernel's results, bit for bit, and no error left for the next launch."""
+    import warnings
+    import test_kernels as tk
+    shapes = tk.GS_TALL_SHAPES
+    _, flat = tk.gs_inputs(torch.float32, seed=5, shapes=shapes)
+    rows, cols = [n for n, _ in shapes], [r for _, r in shapes]
+    one_block = flat.cuda()
+    C.orthogonalize_(one_block, rows, cols, 0.0, spread=False)
+    refused = flat.cuda()
+    C._refuse_cooperative_launches_for_testing(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # warned once per process: maybe not here
+            C.orthogonalize_(refused, rows, cols, 0.0)
+    finally:
+        C._refuse_cooperative_launches_for_testing(False)
+    assert torch.equal(refused.cpu(), one_block.cpu())
+    assert not torch.equal(refused.cpu(), flat)
+    again = flat.cuda()  # the cooperative launch works again
+    C.orthogonalize_(again, rows, cols, 0.0)
+    assert (again - one_block).abs().max().item() <= 2e-5 * 32
+
+
+def test_cuda_orthogonalize_prepared_equals_orthogonalize():
+    import test_kernels as tk
+    tk.check_prepared_orthogonalize("cuda")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_orthogonalize_16bit_touches_only_the_matrices(dtype):
     """PowerSGD on CUDA computes in the bucket's dtype: a 16-bit P region (behind the uncompressed

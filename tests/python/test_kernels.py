@@ -239,6 +239,26 @@ def test_orthogonalize_16bit_touches_only_the_matrices(dtype):
     check_orthogonalize_16bit_region(dtype, "cpu")
 
 
+def check_prepared_orthogonalize(device):
+    """prepare_orthogonalize_ (the benchmarks' form: descriptors uploaded once) computes what
+    orthogonalize_ does, bit for bit, call after call, in every dtype, from `first` on."""
+    rows, cols = [n for n, _ in GS_TALL_SHAPES], [r for _, r in GS_TALL_SHAPES]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        _, matrices = gs_inputs(torch.float32, seed=11, shapes=GS_TALL_SHAPES)
+        flat = torch.cat([torch.randn(9), matrices]).to(dtype).to(device)
+        prepared = C.prepare_orthogonalize_(flat, rows, cols, 0.0, first=9)
+        for _ in range(2):
+            want, got = flat.clone(), flat.clone()
+            C.orthogonalize_(want, rows, cols, 0.0, first=9)
+            prepared(got)
+            assert torch.equal(got.cpu(), want.cpu()), dtype
+            flat = want
+
+
+def test_prepared_orthogonalize_equals_orthogonalize():
+    check_prepared_orthogonalize("cpu")
+
+
 def test_orthogonalize_argument_errors():
     """Checked before any kernel runs (on a GPU an out-of-bounds write would poison the context);
     the buffer is left as it was."""
