@@ -339,8 +339,14 @@ at::Tensor q_of(const BucketLayout& L, const CompMatrix& c, int64_t count = 1) {
   return L.q_factors.narrow(0, c.q_offset, count * c.cols * c.rank).view({count, c.cols, c.rank});
 }
 
-// Runs f(matrices [b, n, m], P [b, n, r], Q [b, m, r]) per same-shape group (batched products)
-// or per matrix.
+// The error memory of a compressed matrix, shaped as its matrix_of view.
+at::Tensor error_of(const BucketLayout& L, const CompMatrix& c) {
+  return L.error.narrow(0, L.offsets[c.index], c.rows * c.cols).view({c.rows, c.cols});
+}
+
+// Runs f(matrices [b, n, m], P [b, n, r], Q [b, m, r], err) per same-shape group (batched
+// products) or per matrix; err is the matrix's error memory [1, n, m] when the job fuses the
+// error feedback into the products, else undefined.
 template <typename F>
 void for_each_item(const PowerSGDJob& job, F&& f) {
   const BucketLayout& L = *job.layout;
@@ -348,11 +354,29 @@ void for_each_item(const PowerSGDJob& job, F&& f) {
     const auto& g = L.groups[gi];
     const int64_t count = static_cast<int64_t>(g.second - g.first);
     if (job.batch_same_shape && count > 1) {
-      f(L.stacked[gi], p_of(L, L.comp[g.first], count), q_of(L, L.comp[g.first], count));
+      f(L.stacked[gi], p_of(L, L.comp[g.first], count), q_of(L, L.comp[g.first], count),
+        at::Tensor());
     } else {
       for (size_t k = g.first; k < g.second; ++k) {
-        f(matrix_of(job, L.comp[k]).unsqueeze(0), p_of(L, L.comp[k]), q_of(L, L.comp[k]));
+        const CompMatrix& c = L.comp[k];
+        f(matrix_of(job, c).unsqueeze(0), p_of(L, c), q_of(L, c),
+          job.fused_error_feedback ? error_of(L, c).unsqueeze(0) : at::Tensor());
       }
+    }
+  }
+}
+
+// The error feedback of the uncompressed gradients (compensate, or take the residual), when the
+// compressed ones have theirs inside the products.
+void uncompressed_error_feedback(const PowerSGDJob& job, bool compensate) {
+  const BucketLayout& L = *job.layout;
+  for (const auto& run : L.uncompressed_runs) {
+    at::Tensor w = job.work.narrow(0, run.first, run.second);
+    at::Tensor e = L.error.narrow(0, run.first, run.second);
+    if (compensate) {
+      error_feedback_apply_(w, e);
+    } else {
+      e.sub_(w);
     }
   }
 }
@@ -392,14 +416,21 @@ std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::Grad
       job->work = L.work_copy;
     }
   }
-  if (o.use_error_feedback) error_feedback_apply_(job->work, L.error);
+  job->fused_error_feedback =
+      o.use_error_feedback && L.error.defined() && L.device.is_cpu() && !job->batch_same_shape;
+  if (job->fused_error_feedback) {
+    if (!batched) uncompressed_error_feedback(*job, /*compensate=*/true);
+  } else if (o.use_error_feedback) {
+    error_feedback_apply_(job->work, L.error);
+  }
 
   if (!o.warm_start || !L.q_valid) randomize_q(st, L, job->batch_same_shape);
   orthogonalize_(L.q_factors, L.q_pack, job->epsilon);
 
   if (batched) {
     lowrank_project_(L.padded.view({1, L.side, L.side}), L.q_factors.view({1, L.side, L.rank}),
-                     L.round_one.view({1, L.side, L.rank}));
+                     L.round_one.view({1, L.side, L.rank}),
+                     job->fused_error_feedback ? L.error.view({1, L.side, L.side}) : at::Tensor());
   } else {
     if (job->batch_same_shape) {
       L.stacked.resize(L.groups.size());
@@ -416,9 +447,8 @@ std::shared_ptr<PowerSGDJob> start_round_one(PowerSGDState& st, const c10d::Grad
         at::stack_out(L.stacked[gi], mats);
       }
     }
-    for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
-      lowrank_project_(m, q, p);
-    });
+    for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q,
+                           const at::Tensor& err) { lowrank_project_(m, q, p, err); });
     if (L.uncompressed_numel > 0) {
       copy_uncompressed(L, job->work, L.round_one.narrow(0, 0, L.uncompressed_numel), false);
     }
@@ -445,8 +475,13 @@ void finish(PowerSGDJob& job) {
       }
     }
   }
-  // The compensated input minus what the step applies: the residual for the next step.
-  if (L.error.defined()) L.error.sub_(job.work);
+  // The compensated input minus what the step applies: the residual for the next step (the
+  // compressed matrices' already taken by their reconstruction when fused).
+  if (job.fused_error_feedback) {
+    if (!job.batched) uncompressed_error_feedback(job, /*compensate=*/false);
+  } else if (L.error.defined()) {
+    L.error.sub_(job.work);
+  }
   if (!job.batched && !job.work.is_same(job.input)) job.input.copy_(job.work);
   L.q_valid = job.warm_start;
   job.result->markCompleted(c10::IValue(job.input));
@@ -472,9 +507,8 @@ void start_round_two(const ProcessGroupPtr& pg, const std::shared_ptr<PowerSGDJo
     lowrank_project_t_(L.padded.view({1, L.side, L.side}), L.round_one.view({1, L.side, L.rank}),
                        L.q_factors.view({1, L.side, L.rank}));
   } else {
-    for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
-      lowrank_project_t_(m, p, q);
-    });
+    for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q,
+                           const at::Tensor&) { lowrank_project_t_(m, p, q); });
   }
   at::Tensor wire =
       L.wire_dtype == L.compute_dtype ? L.q_factors : scaled_cast(L.q_factors, L.wire_dtype, 1.0);
@@ -491,13 +525,13 @@ void start_round_two(const ProcessGroupPtr& pg, const std::shared_ptr<PowerSGDJo
       BucketLayout& L = *job->layout;
       L.q_factors.div_(job->world);
       if (job->batched) {
-        lowrank_reconstruct_(L.round_one.view({1, L.side, L.rank}),
-                             L.q_factors.view({1, L.side, L.rank}),
-                             L.padded.view({1, L.side, L.side}));
+        lowrank_reconstruct_(
+            L.round_one.view({1, L.side, L.rank}), L.q_factors.view({1, L.side, L.rank}),
+            L.padded.view({1, L.side, L.side}),
+            job->fused_error_feedback ? L.error.view({1, L.side, L.side}) : at::Tensor());
       } else {
-        for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q) {
-          lowrank_reconstruct_(p, q, m);
-        });
+        for_each_item(*job, [](const at::Tensor& m, const at::Tensor& p, const at::Tensor& q,
+                               const at::Tensor& err) { lowrank_reconstruct_(p, q, m, err); });
       }
       finish(*job);
     } catch (...) {

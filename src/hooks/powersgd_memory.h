@@ -80,6 +80,11 @@ struct PowerSGDJob {
   bool batched = false;
   bool warm_start = true;
   bool batch_same_shape = false;
+  // The error feedback runs inside the products (ops::lowrank_project_ / lowrank_reconstruct_
+  // with `err`) for the compressed matrices, and by itself for the uncompressed gradients only:
+  // on CPU, where that saves two passes over the bucket; not with stacked same-shape matrices
+  // (they are copies) nor on CUDA (one launch over the bucket beats one per matrix).
+  bool fused_error_feedback = false;
   double epsilon = 0;
   int64_t world = 1;
   at::Tensor input;  // the bucket buffer: the result lands here

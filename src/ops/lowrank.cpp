@@ -74,13 +74,31 @@ void product(const at::Tensor& x, const char* x_name, const at::Tensor& y, const
 
 }  // namespace
 
-void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P) {
+void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P,
+                      const at::Tensor& err) {
+  const bool compensate = err.defined();
+  if (compensate) {
+    TORCH_CHECK(err.sizes() == M.sizes() && err.scalar_type() == M.scalar_type() &&
+                    err.device() == M.device() && err.is_contiguous(),
+                "lowrank_project_: err must be contiguous and shaped as M ", M.sizes(), ", got ",
+                err.sizes());
+  }
   product(
-      M, "M", Q, "Q", P, "P", [&](at::Tensor& out) { at::bmm_out(out, M, Q); },
+      M, "M", Q, "Q", P, "P",
+      [&](at::Tensor& out) {
+        if (compensate) error_feedback_apply_(M, err);
+        at::bmm_out(out, M, Q);
+      },
       [&](int64_t b, auto tag) {
         using T = decltype(tag);
-        kernels::lowrank_project_cpu(matrix<T>(M, b), M.size(1), M.size(2), matrix<T>(Q, b),
-                                     Q.size(2), matrix<T>(P, b));
+        if (compensate) {
+          kernels::lowrank_compensate_project_cpu(matrix<T>(M, b), matrix<T>(err, b), M.size(1),
+                                                  M.size(2), matrix<T>(Q, b), Q.size(2),
+                                                  matrix<T>(P, b));
+        } else {
+          kernels::lowrank_project_cpu(matrix<T>(M, b), M.size(1), M.size(2), matrix<T>(Q, b),
+                                       Q.size(2), matrix<T>(P, b));
+        }
       });
 }
 
@@ -94,13 +112,26 @@ void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tens
       });
 }
 
-void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M) {
+void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M,
+                          const at::Tensor& err) {
+  const bool residual = err.defined();
+  if (residual) {
+    TORCH_CHECK(err.sizes() == M.sizes() && err.scalar_type() == M.scalar_type() &&
+                    err.device() == M.device() && err.is_contiguous(),
+                "lowrank_reconstruct_: err must be contiguous and shaped as M ", M.sizes(),
+                ", got ", err.sizes());
+  }
   product(
-      P, "P", Q, "Q", M, "M", [&](at::Tensor& out) { at::bmm_out(out, P, Q.transpose(1, 2)); },
+      P, "P", Q, "Q", M, "M",
+      [&](at::Tensor& out) {
+        at::bmm_out(out, P, Q.transpose(1, 2));
+        if (residual) err.sub_(M);
+      },
       [&](int64_t b, auto tag) {
         using T = decltype(tag);
         kernels::lowrank_reconstruct_cpu(matrix<T>(P, b), matrix<T>(Q, b), M.size(1), M.size(2),
-                                         P.size(2), matrix<T>(M, b));
+                                         P.size(2), matrix<T>(M, b),
+                                         residual ? matrix<T>(err, b) : nullptr);
       });
 }
 

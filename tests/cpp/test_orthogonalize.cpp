@@ -541,6 +541,86 @@ TEST(ErrorFeedbackApply, RejectsMismatchedBuffers) {
   EXPECT_THAT(message(at::ones({4}), at::ones({4}, at::kDouble)), HasSubstr("must match"));
 }
 
+// PowerSGD's three products against fp64 matmuls, at ranks around the kernels' blocks of four
+// columns (1-3: the remainder alone; 4, 8: whole blocks; 5, 9: both), and the fused error
+// feedback equal, bit for bit, to the separate steps it replaces.
+TEST(LowrankProducts, MatchReferenceAndFusedErrorFeedbackEqualsSeparateSteps) {
+  at::manual_seed(7);
+  for (at::ScalarType dt : {at::kFloat, at::kDouble}) {
+    // Each product sums m (or n) terms: the bound scales with that length and the precision.
+    const double eps = dt == at::kFloat ? 1e-6 : 1e-14;
+    for (int64_t r : {1, 2, 3, 4, 5, 8, 9}) {
+      for (auto nm : {std::pair<int64_t, int64_t>{33, 70}, {128, 17}}) {
+        const int64_t n = nm.first, m = nm.second;
+        const auto o = at::TensorOptions().dtype(dt);
+        const at::Tensor M = at::randn({2, n, m}, o), Q = at::randn({2, m, r}, o);
+        const at::Tensor err = at::randn({2, n, m}, o) * 0.1;
+        const std::string where = c10::toString(dt) + std::string(" r ") + std::to_string(r) + " " +
+                                  std::to_string(n) + "x" + std::to_string(m);
+
+        at::Tensor P = at::empty({2, n, r}, o);
+        ddpx::ops::lowrank_project_(M, Q, P);
+        const at::Tensor P64 = at::bmm(M.to(at::kDouble), Q.to(at::kDouble));
+        EXPECT_LE((P.to(at::kDouble) - P64).abs().max().item<double>(),
+                  eps * m * (M.abs().max() * Q.abs().max()).item<double>())
+            << "project " << where;
+
+        at::Tensor Qt = at::empty({2, m, r}, o);
+        ddpx::ops::lowrank_project_t_(M, P, Qt);
+        const at::Tensor Qt64 = at::bmm(M.to(at::kDouble).transpose(1, 2), P.to(at::kDouble));
+        EXPECT_LE((Qt.to(at::kDouble) - Qt64).abs().max().item<double>(),
+                  eps * n * (M.abs().max() * P.abs().max()).item<double>())
+            << "project_t " << where;
+
+        at::Tensor R = at::empty({2, n, m}, o);
+        ddpx::ops::lowrank_reconstruct_(P, Q, R);
+        const at::Tensor R64 = at::bmm(P.to(at::kDouble), Q.to(at::kDouble).transpose(1, 2));
+        EXPECT_LE((R.to(at::kDouble) - R64).abs().max().item<double>(),
+                  eps * r * (P.abs().max() * Q.abs().max()).item<double>())
+            << "reconstruct " << where;
+
+        // Compensation fused into the projection: M and err both become fl(M + err), and P is
+        // the projection of that, as with error_feedback_apply_ and then lowrank_project_.
+        at::Tensor m_sep = M.clone(), e_sep = err.clone(), p_sep = at::empty({2, n, r}, o);
+        ddpx::ops::error_feedback_apply_(m_sep, e_sep);
+        ddpx::ops::lowrank_project_(m_sep, Q, p_sep);
+        at::Tensor m_fused = M.clone(), e_fused = err.clone(), p_fused = at::empty({2, n, r}, o);
+        ddpx::ops::lowrank_project_(m_fused, Q, p_fused, e_fused);
+        EXPECT_TRUE(bitwise_equal(m_fused, m_sep)) << "compensated M " << where;
+        EXPECT_TRUE(bitwise_equal(e_fused, e_sep)) << "compensated err " << where;
+        EXPECT_TRUE(bitwise_equal(p_fused, p_sep)) << "P " << where;
+
+        // The residual fused into the reconstruction: err -= M after M = P Q^T.
+        at::Tensor r_sep = at::empty({2, n, m}, o), e2_sep = err.clone();
+        ddpx::ops::lowrank_reconstruct_(P, Q, r_sep);
+        e2_sep.sub_(r_sep);
+        at::Tensor r_fused = at::empty({2, n, m}, o), e2_fused = err.clone();
+        ddpx::ops::lowrank_reconstruct_(P, Q, r_fused, e2_fused);
+        EXPECT_TRUE(bitwise_equal(r_fused, r_sep)) << "reconstructed M " << where;
+        EXPECT_TRUE(bitwise_equal(e2_fused, e2_sep)) << "residual " << where;
+      }
+    }
+  }
+}
+
+TEST(LowrankProducts, RejectsAnErrorBufferOfAnotherShape) {
+  const at::Tensor M = at::ones({1, 4, 6}), Q = at::ones({1, 6, 2}), P = at::empty({1, 4, 2});
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_THAT(message([&] {
+                ddpx::ops::lowrank_project_(M, Q, P, at::ones({1, 4, 5}));
+              }),
+              HasSubstr("err must be contiguous and shaped as M"));
+  EXPECT_THAT(message([&] { ddpx::ops::lowrank_reconstruct_(P, Q, M.clone(), at::ones({24})); }),
+              HasSubstr("err must be contiguous and shaped as M"));
+}
+
 // ---- CUDA kernels ----------------------------------------------------------------------------
 
 #ifdef DDPX_TEST_CUDA_KERNELS
