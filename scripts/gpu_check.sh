@@ -34,8 +34,9 @@
 #   pytest_kernels       25    20      short gate: casts, sums, Gram-Schmidt, optimizers on CUDA
 #   bench_kernels        35  20-40     kernels vs torch and vs a device copy (target >= 0.8)
 #   bench_powersgd       90  50-100    PowerSGD overhead per step on NCCL x 1 (target <= 2 ms)
-#   -- two lanes at once, 120 s (correctness only: nothing is timed while they share the GPU) --
+#   -- three lanes at once, 120 s (correctness only: nothing is timed while they share the GPU) --
 #   A pytest_cuda       120  80-150    the rest of the CUDA/NCCL pytest, --maxfail=5 (not -x)
+#   C pytest_cuda_streams 60  20-40    hook futures vs their kernels, with the GPU lagging
 #   B ddp_cpp_nccl       15  10-15     the C++ DistributedDataParallel on NCCL (torchrun)
 #   B gtest_cuda         50  35-50     the CUDA GoogleTests, bit for bit against the CPU kernels
 #   B pytest_cuda_rpc    55  30-60     the RPC DistributedOptimizer on CUDA parameters
@@ -90,9 +91,9 @@ done
 DEADLINE_S=${DDPX_GPU_DEADLINE_S:-480}
 GTEST_DIR=third_party/googletest
 
-# ---- the plan: name, limit (s), kind (required | optional), lane (main | A | B) ----------------
-# Steps run in this order; the A and B lanes run side by side, after the main lane's steps above
-# them and before those below.
+# ---- the plan: name, limit (s), kind (required | optional), lane (main | A | B | C) ------------
+# Steps run in this order; the A, B and C lanes run side by side, after the main lane's steps
+# above them and before those below.
 PLAN=(
   "env 10 required main"
   "preflight 5 required main"
@@ -105,6 +106,7 @@ PLAN=(
   "ddp_cpp_nccl 15 required B"
   "gtest_cuda 50 required B"
   "pytest_cuda_rpc 55 required B"
+  "pytest_cuda_streams 60 required C"
   "pytest_nccl_legacy 60 optional main"
   "ddp_cpp_nccl_legacy 15 optional main"
   "bench_hooks_nccl 60 optional main"
@@ -121,15 +123,22 @@ for row in "${PLAN[@]}"; do
   INDEX[$name]=$i
 done
 
-# The required steps' worst case: the main lane's limits plus the longer of the two lanes.
+# The required steps' worst case: the main lane's limits plus the longest of the side lanes.
 plan_total() {
-  local main=0 a=0 b=0 row name limit kind lane
+  local main=0 row name limit kind lane
+  declare -A side=([A]=0 [B]=0 [C]=0)
   for row in "${PLAN[@]}"; do
     read -r name limit kind lane <<<"$row"
     [ "$kind" = required ] || continue
-    case "$lane" in main) main=$((main + limit)) ;; A) a=$((a + limit)) ;; B) b=$((b + limit)) ;; esac
+    if [ "$lane" = main ]; then
+      main=$((main + limit))
+    else
+      side[$lane]=$((${side[$lane]} + limit))
+    fi
   done
-  echo $((main + (a > b ? a : b)))
+  local longest=0 l
+  for l in "${side[@]}"; do [ "$l" -gt "$longest" ] && longest=$l; done
+  echo $((main + longest))
 }
 
 if [ "$MODE" = plan ]; then
@@ -422,12 +431,12 @@ else
   for s in pytest_kernels bench_kernels bench_powersgd; do skip_step "$s" "no ddpx._C built" 1; done
 fi
 
-# ---- 5. the correctness steps, two lanes side by side -------------------------------------------
+# ---- 5. the correctness steps, three lanes side by side -----------------------------------------
 lane_a() {
   if [ "$BUILD_OK" = 1 ]; then
     run_step pytest_cuda "pytest_sel tests/python -k '(cuda or nccl) and not ($KERNEL_TESTS)' \
-      --ignore=tests/python/test_cuda_dist_optim.py --maxfail=5 $PYTEST_OPTS \
-      --junitxml='$OUT/pytest_cuda.xml'"
+      --ignore=tests/python/test_cuda_dist_optim.py --ignore=tests/python/test_cuda_streams.py \
+      --maxfail=5 $PYTEST_OPTS --junitxml='$OUT/pytest_cuda.xml'"
   else
     skip_step pytest_cuda "no ddpx._C built" 1
   fi
@@ -464,11 +473,23 @@ lane_b() {
     skip_step pytest_cuda_rpc "no ddpx._C built" 1
   fi
 }
+# The hooks' futures against their kernels' streams (PowerSGD's round two, the exchanges' second
+# rounds and completions), with the GPU far behind the host.
+lane_c() {
+  if [ "$BUILD_OK" = 1 ]; then
+    run_step pytest_cuda_streams "pytest_sel tests/python/test_cuda_streams.py --maxfail=5 \
+      $PYTEST_OPTS --junitxml='$OUT/pytest_cuda_streams.xml'"
+  else
+    skip_step pytest_cuda_streams "no ddpx._C built" 1
+  fi
+}
 lane_a &
 PID_A=$!
 lane_b &
 PID_B=$!
-wait "$PID_A" "$PID_B"
+lane_c &
+PID_C=$!
+wait "$PID_A" "$PID_B" "$PID_C"
 
 # ---- 6. optional: the other NCCL class, then the remaining benchmarks -------------------------
 if [ "$HAS_NCCL2" = 1 ] && [ "$BUILD_OK" = 1 ]; then

@@ -19,7 +19,9 @@
 // DDP's autograd thread until bucket i-1's first collective has completed. DDP calls runHook(i)
 // only once bucket i's gradients are computed, by which time bucket i-1's collective has had the
 // whole of that computation to finish; what is left of it is the wait. The last bucket waits for
-// its own first collective too. A hook that cannot afford either wait should not defer.
+// its own first collective too. A hook that cannot afford either wait should not defer. On a
+// device the hooks take that wait on a stream from torch's pool (comm::OnPoolStream), so that the
+// device-side wait does not hold back the autograd stream's remaining backward kernels.
 //
 // Not thread-safe: called from runHook only (DDP's autograd thread, one bucket at a time).
 #pragma once

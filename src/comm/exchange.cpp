@@ -81,13 +81,17 @@ void keep_until_current_stream_done(const at::Tensor& t) {
 // future is CUDA-aware and complete only after the collective's kernels, and its then() callbacks
 // run on a stream that waits for them.
 c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work, const c10::Device& device) {
-  if (device.is_cpu()) return work.getFuture();
-  const c10::impl::VirtualGuardImpl impl(device.type());
-  const c10::StreamGuard on_side(impl.getStreamFromGlobalPool(device));
+  const OnPoolStream on_side(device);
   return work.getFuture();
 }
 
 }  // namespace
+
+OnPoolStream::OnPoolStream(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  guard_.reset_stream(impl.getStreamFromGlobalPool(device));
+}
 
 c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
                                                  const at::Tensor& values, const at::Tensor& out,
@@ -230,9 +234,10 @@ void complete_when_all_done(const c10::List<FuturePtr>& parts, const at::Tensor&
       return;
     }
     try {
+      const OnPoolStream on_side(value.device());
       for (size_t i = 0; i < parts.size(); ++i) {
         const FuturePtr fut = parts.get(i);
-        fut->wait();   // on CUDA: the current stream waits on the part's events
+        fut->wait();   // on CUDA: the pool stream waits on the part's events
         fut->value();  // rethrows a failed part
       }
       result->markCompleted(c10::IValue(value));
@@ -381,6 +386,9 @@ FuturePtr ReduceScatterSum::start(const ProcessGroupPtr& pg, const at::Tensor& s
   FuturePtr result = future_on(out);
   DeferredCollective::Step step_two{
       [pg, rounds, out, result] {
+        // Round one's wait and the sums on a pool stream, not on the autograd stream of the
+        // runHook that issues this step (see OnPoolStream).
+        const OnPoolStream on_side(out.device());
         c10::List<FuturePtr> parts(c10::FutureType::create(c10::TensorType::get()));
         for (const auto& r : rounds) parts.push_back(issue_round_two(pg, *r));
         complete_when_all_done(parts, out, result);

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/StreamGuard.h>
 #include <ddpx/comm/exchange_mode.h>
 #include <ddpx/common/process_group.h>
 
@@ -49,6 +50,19 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg
 // `n` elements; n itself when there is one chunk.
 int64_t exchange_chunk_length(int64_t n);
 
+// While alive, a stream from torch's pool is the current stream of `device` (on CPU: nothing).
+// For a hook's work that waits for a collective first: Future::wait() on a CUDA future makes the
+// current stream wait, and in runHook that is DDP's autograd stream, whose later backward kernels
+// would then queue behind the communication. The work's results leave through futures whose
+// events are recorded on this stream, so whoever waits on them is ordered after it.
+class OnPoolStream {
+ public:
+  explicit OnPoolStream(const c10::Device& device);
+
+ private:
+  c10::OptionalStreamGuard guard_;
+};
+
 // An empty future on `value`'s device (CUDA-aware where `value` is not on CPU), for a hook's
 // result that another future's callback completes.
 c10::intrusive_ptr<c10::ivalue::Future> future_on(const at::Tensor& value);
@@ -56,9 +70,11 @@ c10::intrusive_ptr<c10::ivalue::Future> future_on(const at::Tensor& value);
 // A future on `value`'s device that completes with `value` once every one of `parts` has.
 // Not c10::collectAll(...)->then(...): collectAll's future has no devices, and neither would its
 // then(), so on CUDA DDP's wait would not order the autograd stream after the parts' kernels,
-// which run on pool streams (review finding B2). Here the completing thread's current stream
-// first waits on every part (Future::wait() on a CUDA future), and markCompleted then records
-// the result's events on that stream, after those waits.
+// which run on pool streams. Here the completing callback takes a pool stream (OnPoolStream),
+// has it wait on every part (Future::wait() on a CUDA future), and markCompleted then records
+// the result's events on it, after those waits. Not the caller's stream: with NCCL the parts are
+// complete already, the callback runs inline in runHook, and the waits would stall the autograd
+// stream until every part's collective and sum were done.
 c10::intrusive_ptr<c10::ivalue::Future> all_done(
     const c10::List<c10::intrusive_ptr<c10::ivalue::Future>>& parts, const at::Tensor& value);
 

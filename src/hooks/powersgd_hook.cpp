@@ -491,6 +491,14 @@ void finish(PowerSGDJob& job) {
 // completes when round two has been decompressed.
 void start_round_two(const ProcessGroupPtr& pg, const std::shared_ptr<PowerSGDJob>& job) {
   BucketLayout& L = *job->layout;
+  // Issued from the next bucket's runHook: on a device, the wait for round one and round two's
+  // kernels go on a pool stream, not on DDP's autograd stream, which would otherwise stall the
+  // rest of backward until round one's collective is done. What they read was written on the
+  // autograd stream before round one's collective was issued, and round one's future completes
+  // after that collective, so waiting on it orders them; round two's collective waits for this
+  // stream; the result completes on its callback's stream (finish), which DDP waits on. Every
+  // buffer they touch is the layout's (persistent) or the bucket's.
+  const comm::OnPoolStream on_side(job->input.device());
   job->round1->wait();
   job->round1->value();  // rethrows a failed round one
   if (L.uncompressed_numel > 0) {
