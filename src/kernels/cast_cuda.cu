@@ -48,12 +48,17 @@ using AccT =
     typename std::conditional<std::is_same<S, double>::value || std::is_same<D, double>::value,
                               double, float>::type;
 
-// Vector of kVec elements loaded or stored as one transaction (16 bytes for fp32 x 4, 8 bytes
-// for 16-bit x 4). Used only when both pointers are aligned to their vector size.
-constexpr int kVec = 4;
-template <typename T>
-struct alignas(sizeof(T) * kVec) Vec {
-  T v[kVec];
+// Elements per thread per iteration, loaded and stored as vectors (16-byte transactions; a wider
+// vector is two or four). 8 when either side is 16-bit, so that the 16-bit side moves 16 bytes
+// too: at 4 (8 bytes) a full device of 256-thread blocks keeps about 16 KB of reads in flight per
+// SM, short of the 25-30 KB that a device-copy rate needs (H200: 4.8 TB/s over 132 SMs at about
+// 0.7 us of latency). 4 otherwise (fp32: 16 bytes, fp64: 32). Used only when every pointer is
+// aligned to its vector size.
+template <typename S, typename D>
+constexpr int kVecElems = sizeof(S) == 2 || sizeof(D) == 2 ? 8 : 4;
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
 };
 
 // dst[i] = store(load(src[i]) * scale). Consecutive threads touch consecutive vectors, so every
@@ -63,23 +68,24 @@ template <typename S, typename D>
 __device__ __forceinline__ void scaled_cast_body(const S* src, D* dst, int64_t n, double scale,
                                                  bool vectorised) {
   using A = AccT<S, D>;
+  constexpr int V = kVecElems<S, D>;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (vectorised) {
-    const int64_t nv = n / kVec;
-    const Vec<S>* sv = reinterpret_cast<const Vec<S>*>(src);
-    Vec<D>* dv = reinterpret_cast<Vec<D>*>(dst);
+    const int64_t nv = n / V;
+    const Vec<S, V>* sv = reinterpret_cast<const Vec<S, V>*>(src);
+    Vec<D, V>* dv = reinterpret_cast<Vec<D, V>*>(dst);
     for (int64_t j = tid; j < nv; j += stride) {
-      const Vec<S> in = sv[j];
-      Vec<D> out;
+      const Vec<S, V> in = sv[j];
+      Vec<D, V> out;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
+      for (int k = 0; k < V; ++k) {
         out.v[k] = Conv<D>::store(static_cast<A>(Conv<S>::load(in.v[k])) * A(scale));
       }
       dv[j] = out;
     }
-    done = nv * kVec;
+    done = nv * V;
   }
   for (int64_t i = done + tid; i < n; i += stride) {
     dst[i] = Conv<D>::store(static_cast<A>(Conv<S>::load(src[i])) * A(scale));
@@ -115,34 +121,35 @@ struct RowSource {
 };
 
 // dst[i] = store(scale * sum_r rows[r][i]), accumulating from row 0 (not +0.0) so that a column
-// of -0.0 sums to -0.0, as on the CPU. Vectorised by kVec when every row and dst are aligned;
-// the per-element arithmetic is the same either way.
+// of -0.0 sums to -0.0, as on the CPU. Vectorised by kVecElems when every row and dst are
+// aligned; the per-element arithmetic is the same either way.
 template <typename S, typename D>
 __global__ void sum_rows_kernel(RowSource<S> in, int64_t rows, D* __restrict__ dst, double scale,
                                 bool vectorised) {
   using A = AccT<S, D>;
+  constexpr int V = kVecElems<S, D>;
   const int64_t n = in.n;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (vectorised) {
-    const int64_t nv = n / kVec;
+    const int64_t nv = n / V;
     for (int64_t j = tid; j < nv; j += stride) {
-      A acc[kVec];
-      const Vec<S> first = reinterpret_cast<const Vec<S>*>(in.row(0))[j];
+      A acc[V];
+      const Vec<S, V> first = reinterpret_cast<const Vec<S, V>*>(in.row(0))[j];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) acc[k] = static_cast<A>(Conv<S>::load(first.v[k]));
+      for (int k = 0; k < V; ++k) acc[k] = static_cast<A>(Conv<S>::load(first.v[k]));
       for (int64_t r = 1; r < rows; ++r) {
-        const Vec<S> v = reinterpret_cast<const Vec<S>*>(in.row(r))[j];
+        const Vec<S, V> v = reinterpret_cast<const Vec<S, V>*>(in.row(r))[j];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) acc[k] += static_cast<A>(Conv<S>::load(v.v[k]));
+        for (int k = 0; k < V; ++k) acc[k] += static_cast<A>(Conv<S>::load(v.v[k]));
       }
-      Vec<D> out;
+      Vec<D, V> out;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) out.v[k] = Conv<D>::store(acc[k] * A(scale));
-      reinterpret_cast<Vec<D>*>(dst)[j] = out;
+      for (int k = 0; k < V; ++k) out.v[k] = Conv<D>::store(acc[k] * A(scale));
+      reinterpret_cast<Vec<D, V>*>(dst)[j] = out;
     }
-    done = nv * kVec;
+    done = nv * V;
   }
   for (int64_t i = done + tid; i < n; i += stride) {
     A acc = static_cast<A>(Conv<S>::load(in.row(0)[i]));
@@ -198,8 +205,9 @@ void scaled_cast_cuda(const void* src, DType src_t, void* dst, DType dst_t, int6
     using S = std::remove_pointer_t<decltype(s_tag)>;
     dispatch(dst_t, [&](auto* d_tag) {
       using D = std::remove_pointer_t<decltype(d_tag)>;
-      const bool vec = aligned(src, sizeof(S) * kVec) && aligned(dst, sizeof(D) * kVec);
-      const int64_t work = (n + kVec - 1) / kVec;
+      constexpr int V = kVecElems<S, D>;
+      const bool vec = aligned(src, sizeof(S) * V) && aligned(dst, sizeof(D) * V);
+      const int64_t work = (n + V - 1) / V;
       if (src == dst) {
         if constexpr (std::is_same<S, D>::value) {
           scale_in_place_kernel<S>
@@ -228,12 +236,13 @@ void sum_rows_cuda(const void* src, DType src_t, int64_t rows, int64_t n, void* 
     dispatch(dst_t, [&](auto* d_tag) {
       using D = std::remove_pointer_t<decltype(d_tag)>;
       const RowSource<S> in{static_cast<const S*>(src), static_cast<const S*>(own), own_row, n};
-      // Every row starts aligned when the packed rows' start does and n is a multiple of kVec.
-      const bool vec = n % kVec == 0 && aligned(src, sizeof(S) * kVec) &&
-                       (own == nullptr || aligned(own, sizeof(S) * kVec)) &&
-                       aligned(dst, sizeof(D) * kVec);
+      constexpr int V = kVecElems<S, D>;
+      // Every row starts aligned when the packed rows' start does and n is a multiple of V.
+      const bool vec = n % V == 0 && aligned(src, sizeof(S) * V) &&
+                       (own == nullptr || aligned(own, sizeof(S) * V)) &&
+                       aligned(dst, sizeof(D) * V);
       sum_rows_kernel<S, D>
-          <<<grid_for<sum_rows_kernel<S, D>>(vec ? n / kVec : n), kThreads, 0, stream>>>(
+          <<<grid_for<sum_rows_kernel<S, D>>(vec ? n / V : n), kThreads, 0, stream>>>(
               in, rows, static_cast<D*>(dst), scale, vec);
       DDPX_CUDA_CHECK(cudaGetLastError());
     });

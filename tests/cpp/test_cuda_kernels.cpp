@@ -219,7 +219,8 @@ TEST_P(SumRowsCuda, MatchesCpuBitForBit) {
 
 // The exchange's peers-only form: this rank's row `own` sits apart, the other rows are packed
 // without it. Must equal sum_row_ptrs_cpu over the rows in rank order, bit for bit, wherever
-// the own row falls, vectorised (aligned, n % 4 == 0) or not.
+// the own row falls, vectorised (aligned, n a multiple of the vector length: 8 with a 16-bit
+// side, else 4) or not.
 TEST_P(SumRowsCuda, OwnRowApartMatchesCpuBitForBit) {
   DDPX_SKIP_WITHOUT_GPU();
   const int64_t count = n();
