@@ -640,8 +640,12 @@ def test_cuda_adagrad_rmsprop(name, dtype):
         for p, g in zip(ref, grads):
             p.grad = g.cuda()
         opt.step()
+    # The centered case at alpha 0.3 is the one RMSPROP_BITWISE_ONLY keeps bit for bit on CPU:
+    # torch's own rounding noise there grows past TOL over 100 steps, and its CUDA kernels need
+    # not round as its CPU ones do. Bit for bit against the CPU kernels, and 1e-5 from torch.
+    tol = 1e-5 if name == "RMSprop-centered" else TOL
     for a, b, r in zip(cuda, cpu, ref):
         assert torch.equal(a.cpu(), b)
-        assert rel_err(a, r.detach()) <= TOL
+        assert rel_err(a, r.detach()) <= tol
     for st in ours_cuda.state():
         assert all(t.is_cuda for k, t in st.items() if k != "step")
