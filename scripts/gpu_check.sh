@@ -23,8 +23,8 @@
 # Budget. The whole run, machine start aside, ends within DDPX_GPU_DEADLINE_S (default 480 s,
 # 8 minutes), so that a second try fits in the 15 minutes a task's machine is lent for. The
 # required steps' limits add up to 470 s (checked by --plan and tests/python/test_gpu_check.py);
-# each is at or above the upper estimate of a read-only review of the CUDA code (no GPU run has
-# been timed yet):
+# each is at or near the upper end of what a read-only review of the CUDA code estimated (no GPU
+# run has been timed yet; the JUnit files and the step times of the first run will tell):
 #
 #   step              limit  estimate  what
 #   env                  10     8      machine, torch, CUDA, NCCL versions
@@ -36,10 +36,10 @@
 #   bench_powersgd       90  50-100    PowerSGD overhead per step on NCCL x 1 (target <= 2 ms)
 #   -- three lanes at once, 120 s (correctness only: nothing is timed while they share the GPU) --
 #   A pytest_cuda       120  80-150    the rest of the CUDA/NCCL pytest, --maxfail=5 (not -x)
-#   C pytest_cuda_streams 60  20-40    hook futures vs their kernels, with the GPU lagging
 #   B ddp_cpp_nccl       15  10-15     the C++ DistributedDataParallel on NCCL (torchrun)
 #   B gtest_cuda         50  35-50     the CUDA GoogleTests, bit for bit against the CPU kernels
 #   B pytest_cuda_rpc    55  30-60     the RPC DistributedOptimizer on CUDA parameters
+#   C pytest_cuda_streams 60  20-40    hook futures vs their kernels, with the GPU lagging
 #   -- optional, each only when its whole limit is left; else SKIPPED, not a failure --
 #   pytest_nccl_legacy   60            the NCCL tests under torch's other NCCL class
 #   ddp_cpp_nccl_legacy  15            (torch 2.15's ProcessGroupNCCL2 vs TORCH_DIST_USE_NCCL2=0;
