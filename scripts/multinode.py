@@ -219,7 +219,13 @@ class Cluster:
         """Starts argv on node i: in its network namespace, and in a UTS namespace of its own
         whose host name is the node's name (as machines have their own: code that groups ranks
         by host, like post-local SGD's intra-node subgroups, sees one host per node)."""
-        full_env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, TP_SOCKET_IFNAME=IFNAME)
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: from torch 2.5 the workers of every rendezvous
+        # round share the agents' store, with no per-round prefix, so after a restart
+        # (--max-restarts) a worker can read the address its dead peer published in the round
+        # before, and Gloo's connectFullMesh then fails to connect to it. Without the sharing
+        # each round has a store of its own; a job that never restarts sees no difference.
+        full_env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, TP_SOCKET_IFNAME=IFNAME,
+                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         full_env.update(env or {})
         name_it = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
         return subprocess.Popen(["ip", "netns", "exec", self.ns(i), "unshare", "--uts", "--",

@@ -51,9 +51,9 @@ t0=$(ddpx_now)
   -n "${DDPX_PYTEST_WORKERS:-3}" "$@"
 ddpx_step "pytest in $(( $(ddpx_now) - t0 )) s"
 if [ "$multinode" = 1 ]; then
-  # After the suite, not beside it, with DDPX_MULTINODE_WORKERS (default 1) jobs at a time: a
-  # restarted fault job has to connect its Gloo mesh within the job's short group timeout, and
-  # on 2 cores shared with the suite's workers it once did not (connectFullMesh timed out).
+  # After the suite, not beside it, with DDPX_MULTINODE_WORKERS (default 1) jobs at a time: the
+  # fault tests time how soon each rank reports a lost peer, and the step-time figures of the
+  # jobs mean something only on cores that the suite's workers do not share.
   t0=$(ddpx_now)
   "$DDPX_PY" -m pytest tests/multinode -q -p no:cacheprovider \
     -n "${DDPX_MULTINODE_WORKERS:-1}" "$@"
