@@ -100,8 +100,9 @@ def loss_of(name: str, out, y):
     return F.mse_loss(out, y) if name == "mlp" else F.cross_entropy(out, y)
 
 
-def register(hook: str, model):
-    """DDP over `model` with `hook` registered; returns the DDP model."""
+def register(hook: str, model, psgd_start: int = PSGD_START):
+    """DDP over `model` with `hook` registered; returns the DDP model. PowerSGD's hooks
+    allreduce the first `psgd_start` steps (start_powerSGD_iter)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as th
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,12 +126,12 @@ def register(hook: str, model):
         ddpx.register_comm_hook(ddp, None, H.bf16_compress_hook)
     elif hook.startswith("torch_powersgd4"):
         st = tp.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                              start_powerSGD_iter=PSGD_START, random_seed=0)
+                              start_powerSGD_iter=psgd_start, random_seed=0)
         ddp.register_comm_hook(st, tp.powerSGD_hook)
     elif hook.startswith("ddpx_"):
         rank = 1 if hook.endswith("powersgd1") else 4
         st = H.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                             start_powerSGD_iter=PSGD_START, random_seed=0)
+                             start_powerSGD_iter=psgd_start, random_seed=0)
         fn = H.batched_powerSGD_hook if "batched" in hook else H.powerSGD_hook
         if hook.endswith("dropin"):
             ddp.register_comm_hook(st, fn)
