@@ -1,0 +1,226 @@
+"""The README's and the user guide's code runs as written, and does what its text says.
+
+Every fenced ``python`` block of README.md and docs/guide/*.md is a complete program unless the
+line above it is ``<!-- snippet: fragment -->``. Each complete one runs under ``torchrun`` with
+2 Gloo ranks on CPU, in a fresh folder, and its output is checked against what the page claims
+(``CHECKS``, keyed by the block's ``<!-- snippet: NAME -->``): replicas agree, a resume
+continues bit for bit, a hook compresses. The C++ quick start (``<!-- snippet: cpp FILE -->`` and
+``<!-- snippet: cmake FILE -->``) is built against the installed package and run the same way.
+Links between the pages, and the headings they point at, must exist.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import pytest
+
+import ddpx
+import torch_compat as tc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+GUIDE = os.path.join(REPO, "docs", "guide")
+PAGES = [os.path.join(REPO, "README.md")] + sorted(
+    os.path.join(GUIDE, f) for f in os.listdir(GUIDE) if f.endswith(".md"))
+MARKER = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->$")
+
+
+class Block(NamedTuple):
+    page: str      # path relative to the repository
+    line: int      # line of the opening fence
+    lang: str      # first word of the info string
+    marker: str    # the <!-- snippet: ... --> text above it, "" if none
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}" + (f"[{self.marker}]" if self.marker else "")
+
+
+def blocks_of(path: str) -> List[Block]:
+    out, lines = [], open(path, encoding="utf-8").read().split("\n")
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\S*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        start, lang = i, m.group(1).lower()
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        k = start - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        marker = MARKER.match(lines[k].strip()) if k >= 0 else None
+        out.append(Block(os.path.relpath(path, REPO), start + 1, lang,
+                         marker.group(1) if marker else "", "\n".join(lines[start + 1:j]) + "\n"))
+        i = j + 1
+    return out
+
+
+ALL_BLOCKS = [b for page in PAGES for b in blocks_of(page)]
+PYTHON = [b for b in ALL_BLOCKS if b.lang in ("python", "py")]
+RUNNABLE = [b for b in PYTHON if b.marker != "fragment"]
+
+
+def _lines(out: str, pattern: str) -> List[re.Match]:
+    return [m for m in (re.search(pattern, line) for line in out.splitlines()) if m]
+
+
+def _each_rank(pattern: str) -> Callable[[str, str], None]:
+    """Every rank prints a line matching ``pattern`` (which has a ``{rank}`` placeholder)."""
+    def check(out: str, folder: str) -> None:
+        for rank in (0, 1):
+            assert _lines(out, pattern.format(rank=rank)), (pattern, rank)
+    return check
+
+
+def _quickstart(out: str, folder: str) -> None:
+    found = {int(m.group(1)): (m.group(2), float(m.group(3))) for m in _lines(
+        out, r"rank (\d): weights checksum (\S+), PowerSGD compression ([\d.]+)x")}
+    assert sorted(found) == [0, 1], out
+    assert found[0][0] == found[1][0], f"the replicas differ: {found}"
+    assert found[0][1] > 1.5, f"PowerSGD did not compress: {found}"
+
+
+def _powersgd(out: str, folder: str) -> None:
+    _each_rank(r"rank {rank}: resumed run bit for bit the same: True")(out, folder)
+    for rank in (0, 1):  # one checkpoint per rank: each rank's memories are its own
+        assert os.path.exists(os.path.join(folder, f"powersgd_rank{rank}.pt"))
+
+
+CHECKS: Dict[str, Callable[[str, str], None]] = {
+    "quickstart": _quickstart,
+    "comm-hooks": lambda out, folder: [
+        _each_rank(rf"rank {{rank}}: {dtype} mean within \S+ of the exact mean")(out, folder)
+        for dtype in ("fp16", "bf16")],
+    "powersgd-resume": _powersgd,
+    "post-local-sgd": _each_rank(r"rank {rank}: replicas equal after the averaging step: True"),
+    "hierarchical": _each_rank(r"rank {rank}: averaged with every rank at steps 0 and 4"),
+    "zero-resume": _each_rank(r"rank {rank}: resumed run bit for bit the same: True"),
+    "dist-optim": lambda out, folder: _lines(
+        out, r"C\+\+ steps on the owner: True; its weights changed: True") or pytest.fail(out),
+}
+
+
+def _env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    # The ddpx under test, also when it is a build tree on sys.path rather than installed.
+    ddpx_root = os.path.dirname(os.path.dirname(os.path.abspath(ddpx.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ddpx_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _torchrun(args: List[str], cwd: str, timeout: float = 300) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *tc.TORCHRUN_WORKAROUND_ARGS, *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(),
+                         cwd=cwd)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    return out
+
+
+def test_every_python_block_is_a_program_or_a_marked_fragment():
+    """A fragment says so in its first line too, so that a reader knows it will not run alone."""
+    assert len(RUNNABLE) >= 7, [b.id for b in RUNNABLE]
+    for b in PYTHON:
+        if b.marker == "fragment":
+            assert b.code.lstrip().lower().startswith("# fragment"), b.id
+        else:
+            assert b.marker in CHECKS, f"{b.id}: add a check of what the text says it does"
+    assert sorted(b.marker for b in RUNNABLE) == sorted(CHECKS), "each check has one program"
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+def test_python_snippet_runs_and_does_what_the_text_says(block: Block, tmp_path):
+    (tmp_path / "snippet.py").write_text(block.code)
+    out = _torchrun(["snippet.py"], cwd=str(tmp_path))
+    CHECKS[block.marker](out, str(tmp_path))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: str) -> set:
+    out, fenced = set(), False
+    for line in open(path, encoding="utf-8"):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            out.add(_slug(line.lstrip("#")))
+    return out
+
+
+def test_links_between_pages_resolve():
+    bad = []
+    for page in PAGES:
+        text = open(page, encoding="utf-8").read()
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(full):
+                bad.append(f"{os.path.relpath(page, REPO)}: {target} (no such file)")
+            elif anchor and full.endswith(".md") and anchor not in _anchors(full):
+                bad.append(f"{os.path.relpath(page, REPO)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def test_readme_fits_a_product_page():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    assert len(lines) <= 210, len(lines)
+    first_screen = "\n".join(lines[:40])
+    assert "./scripts/main.sh" in first_screen and "./scripts/test.sh" in first_screen
+    assert "git clone" in "\n".join(lines[:60])
+
+
+def _cpp_files() -> Dict[str, str]:
+    files = {}
+    for b in blocks_of(os.path.join(REPO, "README.md")):
+        m = re.match(r"(cpp|cmake) (\S+)$", b.marker)
+        if m:
+            files[m.group(2)] = b.code
+    return files
+
+
+PREFIX = ddpx.cmake_prefix_path
+_CONFIG = os.path.join(PREFIX, "lib", "cmake", "ddpx", "ddpxConfig.cmake")
+
+
+@pytest.mark.skipif(not os.path.exists(_CONFIG),
+                    reason=f"ddpx at {PREFIX} is not a pip-installed package (no lib/cmake/ddpx)")
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake")
+def test_cpp_quick_start_builds_and_trains(tmp_path):
+    files = _cpp_files()
+    assert sorted(files) == ["CMakeLists.txt", "train.cpp"], sorted(files)
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, code in files.items():
+        (src / name).write_text(code)
+    build = tmp_path / "build"
+    cfg = ["cmake", "-S", str(src), "-B", str(build), f"-DCMAKE_PREFIX_PATH={PREFIX}",
+           "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"]
+    if shutil.which("ninja"):
+        cfg += ["-G", "Ninja"]
+    if shutil.which("ccache"):
+        cfg += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+    for cmd in (cfg, ["cmake", "--build", str(build), "--parallel", "2"]):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = _torchrun(["--no_python", str(build / "train")], cwd=str(tmp_path))
+    rates = [float(m.group(2)) for m in _lines(out, r"rank (\d): PowerSGD compression ([\d.]+)x")]
+    assert len(rates) == 2 and min(rates) > 1.5, out[-3000:]
+
