@@ -68,7 +68,8 @@ RUNNABLE = [b for b in PYTHON if b.marker != "fragment"]
 
 
 def _lines(out: str, pattern: str) -> List[re.Match]:
-    return [m for m in (re.search(pattern, line) for line in out.splitlines()) if m]
+    # Over the whole output, not line by line: the ranks' prints can share a line.
+    return list(re.finditer(pattern, out))
 
 
 def _each_rank(pattern: str) -> Callable[[str, str], None]:
