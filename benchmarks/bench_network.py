@@ -290,10 +290,16 @@ def plot(cells: List[Dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = sorted({(c["model"], c["nodes"]) for c in cells})
-    fig, axes = plt.subplots(1, len(keys), figsize=(6.2 * len(keys), 5.2), squeeze=False)
+    # Two panels a row: four side by side are too small to read at a README's width.
+    ncols = min(2, len(keys))
+    nrows = (len(keys) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.6 * ncols, 4.6 * nrows + 1.0),
+                             squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
     speed = {"500mbit": 0.5, "1gbit": 1.0, "2500mbit": 2.5, "10gbit": 10.0, "unlimited": 40.0}
     handles: Dict[str, Any] = {}
-    for ax, (model, nodes) in zip(axes[0], keys):
+    for ax, (model, nodes) in zip(axes.flat, keys):
         group = [c for c in cells if c["model"] == model and c["nodes"] == nodes]
         for h in HOOKS:
             pts = [(speed[c["rate"]], r["ms"]) for c in group for r in c["rows"]
@@ -316,9 +322,9 @@ def plot(cells: List[Dict[str, Any]], path: str) -> None:
         params = next((r["params"] for c in group for r in c["rows"] if "params" in r), 0)
         ax.set_title(f"{model}, {params / 1e6:.1f}M parameters, {nodes} nodes (1 rank each)")
         ax.grid(True, which="both", alpha=0.3)
-    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=4,
-               fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.13, 1, 1))
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=3,
+               fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 1.1 / (4.6 * nrows + 1.0), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

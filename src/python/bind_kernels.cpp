@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <optional>
 
 #include "bind_utils.h"
 #include "kernels/cast.h"
@@ -76,21 +77,26 @@ void bind_kernels(py::module& m) {
       "orthogonalises, in place, a buffer on flat's device laid out as `flat` (for benchmarks).");
   m.def(
       "lowrank_",
-      [](const std::string& op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+      [](const std::string& op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+         const std::optional<at::Tensor>& err) {
         py::gil_scoped_release no_gil;
+        const at::Tensor e = err.has_value() ? *err : at::Tensor();
         if (op == "project") {
-          ops::lowrank_project_(a, b, out);
+          ops::lowrank_project_(a, b, out, e);
         } else if (op == "project_t") {
+          TORCH_CHECK_VALUE(!e.defined(), "lowrank_: err applies to 'project' and 'reconstruct'");
           ops::lowrank_project_t_(a, b, out);
         } else {
           TORCH_CHECK_VALUE(op == "reconstruct", "lowrank_: op must be 'project', 'project_t' or ",
                             "'reconstruct', got '", op, "'");
-          ops::lowrank_reconstruct_(a, b, out);
+          ops::lowrank_reconstruct_(a, b, out, e);
         }
       },
-      py::arg("op"), py::arg("a"), py::arg("b"), py::arg("out"),
+      py::arg("op"), py::arg("a"), py::arg("b"), py::arg("out"), py::arg("err") = py::none(),
       "PowerSGD's products on 3-D batches, into `out`: project P = M Q (a=M, b=Q), project_t "
-      "Q = M^T P (a=M, b=P), reconstruct M = P Q^T (a=P, b=Q).");
+      "Q = M^T P (a=M, b=P), reconstruct M = P Q^T (a=P, b=Q). With `err` (shaped as M), "
+      "project first compensates (M += err; err = M) and reconstruct then takes the residual "
+      "(err -= M), each in the product's pass.");
   m.def("cpu_has_fast_half", &kernels::cpu_has_fast_half, "True when the CPU kernels use F16C.");
   m.def(
       "_refuse_cooperative_launches_for_testing",
