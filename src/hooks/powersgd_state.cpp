@@ -252,6 +252,9 @@ c10::impl::GenericDict PowerSGDState::state_dict() const {
   d.insert("random_seed", options_.random_seed);
   d.insert("compression_stats_logging_frequency", options_.compression_stats_logging_frequency);
   d.insert("batch_tensors_with_same_shape", options_.batch_tensors_with_same_shape);
+  // Whose error feedback this is: load_state_dict refuses it on another rank.
+  d.insert("rank", static_cast<int64_t>(pg_->getRank()));
+  d.insert("world_size", static_cast<int64_t>(pg_->getSize()));
   d.insert("error", tensor_dict(mem.error, mem.restored_error));
   d.insert("q", tensor_dict(mem.q, mem.restored_q));
   d.insert("batched_q", tensor_dict(mem.batched_q, mem.restored_batched_q));
@@ -316,7 +319,8 @@ class CheckpointReader {
 };
 }  // namespace
 
-void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d, bool strict) {
+void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d, bool strict,
+                                    bool allow_reshard) {
   const CheckpointReader in(d);
   TORCH_CHECK_VALUE(in.get_string("format") == "ddpx.PowerSGDState/1",
                     "PowerSGDState.load_state_dict: not a ddpx PowerSGDState checkpoint");
@@ -343,6 +347,20 @@ void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d, bool strict
   auto q = in.get_tensors<int64_t>("q");
   auto batched_q = in.get_tensors<std::string>("batched_q");
   auto batched_error_pad = in.get_tensors<std::string>("batched_error_pad");
+  // Each rank's residuals are its own: another rank's resume silently wrong (every rank would
+  // carry one rank's residuals). Q memories are equal on every rank (they are all-reduced), so
+  // a checkpoint without error memories may go anywhere.
+  if (d.contains("rank") && (!error.empty() || !batched_error_pad.empty())) {
+    const int64_t saved_rank = in.get_int("rank"), saved_world = in.get_int("world_size");
+    const int64_t rank = pg_->getRank(), world = pg_->getSize();
+    TORCH_CHECK_VALUE(allow_reshard || (saved_rank == rank && saved_world == world),
+                      "PowerSGDState.load_state_dict: the checkpoint's error-feedback memories "
+                      "were saved by rank ",
+                      saved_rank, " of ", saved_world, ", and this is rank ", rank, " of ", world,
+                      ". Each rank's memories are its own: save state_dict() to one file per "
+                      "rank and load each rank's own file; to load these here on purpose (a "
+                      "deliberate reshard), pass allow_reshard=True");
+  }
 
   set_options(o);
   iter_ = iter;

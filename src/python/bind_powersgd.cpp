@@ -66,12 +66,13 @@ void bind_powersgd(py::module& m) {
   def_state_dict(state, /*bind_load=*/false);
   state.def(
       "load_state_dict",
-      [](PowerSGDState& st, const py::object& d, bool strict) {
-        st.load_state_dict(state_dict_arg(d), strict);
+      [](PowerSGDState& st, const py::object& d, bool strict, bool allow_reshard) {
+        st.load_state_dict(state_dict_arg(d), strict, allow_reshard);
       },
-      py::arg("state_dict"), py::arg("strict") = true,
+      py::arg("state_dict"), py::arg("strict") = true, py::arg("allow_reshard") = false,
       "Restores state_dict()'s content; strict: an error memory of the wrong size raises at its "
-      "parameter's first step (False: it is dropped).");
+      "parameter's first step (False: it is dropped); allow_reshard: accept error memories "
+      "saved by another rank or world size (refused otherwise).");
 
   m.def(
       "powersgd_hook",

@@ -1211,6 +1211,42 @@ TEST(PowerSGDErrors, CheckpointForOtherShapesIsRejectedUnlessLenient) {
   }
 }
 
+// Error-feedback memories are one rank's own: a checkpoint that says another rank (or a world of
+// another size) saved them is refused with what to do instead, unless allow_reshard; one that
+// records no rank (an older ddpx's) loads as it is.
+TEST(PowerSGDErrors, CheckpointOfAnotherRankIsRejectedUnlessResharding) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  auto saved = make_state(pg, options(1, 2.0, 2));
+  {
+    auto hook = ddpx::hooks::powerSGD_hook(saved);
+    const Shapes shapes = {{8, 6}, {6}};
+    const auto params = make_params(shapes, at::kFloat);
+    for (int s = 0; s < 4; ++s) {
+      ASSERT_FALSE(
+          run_step(*hook, params, {{0, 1}}, grads_of(9, s, 0, shapes, at::kFloat)).empty());
+    }
+  }
+  const auto own = saved->state_dict();
+  EXPECT_EQ(own.at("rank").toInt(), 0);
+  EXPECT_EQ(own.at("world_size").toInt(), 1);
+  ASSERT_FALSE(own.at("error").toGenericDict().empty());
+  EXPECT_NO_THROW(make_state(pg, PowerSGDOptions{})->load_state_dict(own));
+
+  c10::impl::GenericDict other = own.copy();
+  other.insert_or_assign("rank", int64_t{1});
+  other.insert_or_assign("world_size", int64_t{2});
+  EXPECT_THAT(value_error([&] { make_state(pg, PowerSGDOptions{})->load_state_dict(other); }),
+              AllOf(HasSubstr("saved by rank 1 of 2, and this is rank 0 of 1"),
+                    HasSubstr("one file per rank"), HasSubstr("allow_reshard=True")));
+  EXPECT_NO_THROW(make_state(pg, PowerSGDOptions{})
+                      ->load_state_dict(other, /*strict=*/true, /*allow_reshard=*/true));
+
+  c10::impl::GenericDict older = own.copy();
+  static_cast<void>(older.erase("rank"));
+  static_cast<void>(older.erase("world_size"));
+  EXPECT_NO_THROW(make_state(pg, PowerSGDOptions{})->load_state_dict(older));
+}
+
 // Wrong value types in a checkpoint used to hit an internal assert ("please report a bug to
 // PyTorch"): a TypeError naming the key instead.
 TEST(PowerSGDErrors, CheckpointValuesOfTheWrongTypeNameTheKey) {

@@ -427,6 +427,31 @@ def rank_resume(rank: int, world_size: int, cfg: Dict[str, Any], how: str, steps
 
 # ---- a small classification task (sklearn's digits, offline) ---------------------------------
 
+def rank_checkpoint_of_another_rank(rank: int, world_size: int) -> Dict[str, Any]:
+    """A checkpoint whose error-feedback memories another rank saved: refused with an error that
+    says to load each rank's own file, unless allow_reshard; this rank's own, one without error
+    memories and one that records no rank (an older ddpx's) load as they are."""
+    P = ddpx.hooks.PowerSGDState
+    out: Dict[str, Any] = {}
+    for feedback in (True, False):
+        state = P(None, start_powerSGD_iter=2, use_error_feedback=feedback, warm_start=True)
+        ddp = wrap_ddp(make_model())
+        register(ddp, {"impl": "ddpx", "hook": "powerSGD", "mode": "native"}, state)
+        for step in range(3):  # past start_powerSGD_iter: memories exist
+            ddp.zero_grad()
+            loss_fn(ddp, *make_batch(rank, step)).backward()
+        own = _save_load(state.state_dict())
+        out[f"recorded_{feedback}"] = (own["rank"], own["world_size"], len(own["error"]))
+        other = dict(own, rank=(rank + 1) % world_size)
+        older = {k: v for k, v in own.items() if k not in ("rank", "world_size")}
+        for name, ckpt, kwargs in (("own", own, {}), ("other", other, {}),
+                                   ("other_allowed", other, {"allow_reshard": True}),
+                                   ("other_world", dict(own, world_size=world_size + 1), {}),
+                                   ("older", older, {})):
+            out[f"{name}_{feedback}"] = catch(lambda: P(None).load_state_dict(ckpt, **kwargs))
+    return out
+
+
 def load_digits_tensors() -> Tuple[torch.Tensor, torch.Tensor]:
     """sklearn's 8x8 digits (1797 images, 10 classes), features scaled to [0, 1]."""
     from sklearn.datasets import load_digits

@@ -63,7 +63,9 @@ EXTRA_PARAMS: Dict[str, Dict[str, str]] = {
     "PeriodicModelAverager": {"bucket_cap_mb": "as average_parameters"},
     "HierarchicalModelAverager": {"bucket_cap_mb": "as average_parameters"},
     "PowerSGDState.load_state_dict": {
-        "strict": "ddpx-only checkpoint API: strict=False drops error memories of other sizes"},
+        "strict": "ddpx-only checkpoint API: strict=False drops error memories of other sizes",
+        "allow_reshard": "ddpx-only checkpoint API: error memories saved by another rank are "
+                         "refused unless a reshard is deliberate"},
     "ZeroRedundancyOptimizer": {
         "partition": "keyword only, default torch's partition: 'balanced' splits large tensors "
                      "so every rank holds an even share (torch has no such option)"},

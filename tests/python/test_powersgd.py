@@ -397,6 +397,26 @@ def test_resume_bit_exact(name):
             assert torch.equal(resumed[s], r["full"][s]), s
 
 
+def test_checkpoint_of_another_rank_is_refused():
+    """Each rank's error feedback is its own: a checkpoint saved by another rank (or in a world of
+    another size) raises ValueError saying to load each rank's own file, and loads with
+    allow_reshard=True. Without error memories (use_error_feedback=False: the Qs are equal on
+    every rank) or without a recorded rank (an older ddpx's checkpoint) it loads as before."""
+    for rank, out in enumerate(run_ranks(pc.rank_checkpoint_of_another_rank, 2)):
+        assert out["recorded_True"][:2] == (rank, 2) and out["recorded_True"][2] > 0
+        assert out["recorded_False"] == (rank, 2, 0)
+        for name in ("own", "other_allowed", "older"):
+            assert out[f"{name}_True"] is None, (name, out[f"{name}_True"])
+        for name in ("own", "other", "other_allowed", "other_world", "older"):
+            assert out[f"{name}_False"] is None, (name, out[f"{name}_False"])
+        kind, message = out["other_True"]
+        assert kind == "ValueError", out["other_True"]
+        assert f"saved by rank {1 - rank} of 2, and this is rank {rank} of 2" in message, message
+        assert "one file per rank" in message and "allow_reshard=True" in message, message
+        kind, message = out["other_world_True"]
+        assert kind == "ValueError" and f"rank {rank} of 3" in message, out["other_world_True"]
+
+
 def test_torch_resume_diverges_one_bucket():
     """Documented contrast: torch's pickled PowerSGDState keys its memories by bucket index, and
     the new DDP model's first iteration lays its one bucket out in registration order while the

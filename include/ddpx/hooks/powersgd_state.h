@@ -108,15 +108,21 @@ class PowerSGDState {
   void set_logger(std::function<void(const std::string&)> logger);
   void log(const std::string& line) const;
 
-  // Checkpoint: iteration, statistics, generator and per-parameter memories (no process group).
+  // Checkpoint: iteration, statistics, generator, per-parameter memories, and the rank and world
+  // size of this state's process group, whose error-feedback memories they are (no process group).
   c10::impl::GenericDict state_dict() const;
   // Restores state_dict()'s content (keys and value types checked: c10::TypeError naming the
   // key). Memories reach their parameters when the buckets first run. `strict`: an error memory
   // whose size is not its parameter's (a corrupt checkpoint, or one saved for other shapes)
   // raises c10::ValueError at that parameter's first step, naming it and both sizes; with strict
   // false it is dropped (error feedback restarts from zero for that parameter). Q memories of
-  // another size are always dropped: a changed rank legitimately changes them.
-  void load_state_dict(const c10::impl::GenericDict& state, bool strict = true);
+  // another size are always dropped: a changed rank legitimately changes them. Error-feedback
+  // memories are one rank's own: a checkpoint whose error memories were saved by another rank,
+  // or in a group of another size, is a c10::ValueError saying to load each rank's own file,
+  // unless `allow_reshard` (a deliberate reshard). A checkpoint that records no rank (saved by
+  // an older ddpx) is taken as it is.
+  void load_state_dict(const c10::impl::GenericDict& state, bool strict = true,
+                       bool allow_reshard = false);
   // Same content through torch's pickler, for C++ programs (torch::pickle_save format).
   std::vector<char> save() const;
   void load(const std::vector<char>& bytes);

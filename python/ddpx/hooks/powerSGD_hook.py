@@ -242,15 +242,22 @@ class PowerSGDState(NativeState):
             d["rng"] = _rng_to_text(self._rng_box[0])
         return d
 
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True,
+                        allow_reshard: bool = False) -> None:
         """Restores :meth:`state_dict`'s content. Call it before the first backward of the new
         DDP model: memories reach their parameters as the buckets first run. A value of the wrong
         type raises TypeError naming its key. ``strict``: an error-feedback memory whose size is
         not its parameter's (a corrupt checkpoint, or one saved for a model with other shapes)
         raises ValueError at that parameter's first step; with ``strict=False`` it is dropped
         (error feedback restarts from zero there). Q memories of another size are always dropped
-        (a changed rank legitimately changes them)."""
-        self._cpp.load_state_dict(state_dict, strict=bool(strict))
+        (a changed rank legitimately changes them).
+
+        Error-feedback memories are one rank's own, so :meth:`state_dict` records the rank and
+        world size that saved them, and a checkpoint whose error memories come from another
+        rank or world size raises ValueError (save one file per rank and load each rank's own).
+        ``allow_reshard=True`` loads them anyway, for a deliberate reshard (ddpx only)."""
+        self._cpp.load_state_dict(state_dict, strict=bool(strict),
+                                  allow_reshard=bool(allow_reshard))
         if self._rng_box[0] is not None:
             # Into the current RandomState, so that references to state.rng stay live.
             self._set_rng(_rng_from_text(state_dict["rng"], into=self._rng_box[0]))
