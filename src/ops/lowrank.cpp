@@ -72,17 +72,20 @@ void product(const at::Tensor& x, const char* x_name, const at::Tensor& y, const
   });
 }
 
+// The error memory fused into a product: M's shape, dtype and device, contiguous (the kernels
+// walk it row by row beside M).
+void check_error_buffer(const at::Tensor& err, const at::Tensor& M, const char* who) {
+  TORCH_CHECK(err.sizes() == M.sizes() && err.scalar_type() == M.scalar_type() &&
+                  err.device() == M.device() && err.is_contiguous(),
+              who, ": err must be contiguous and shaped as M ", M.sizes(), ", got ", err.sizes());
+}
+
 }  // namespace
 
 void lowrank_project_(const at::Tensor& M, const at::Tensor& Q, const at::Tensor& P,
                       const at::Tensor& err) {
   const bool compensate = err.defined();
-  if (compensate) {
-    TORCH_CHECK(err.sizes() == M.sizes() && err.scalar_type() == M.scalar_type() &&
-                    err.device() == M.device() && err.is_contiguous(),
-                "lowrank_project_: err must be contiguous and shaped as M ", M.sizes(), ", got ",
-                err.sizes());
-  }
+  if (compensate) check_error_buffer(err, M, "lowrank_project_");
   product(
       M, "M", Q, "Q", P, "P",
       [&](at::Tensor& out) {
@@ -115,12 +118,7 @@ void lowrank_project_t_(const at::Tensor& M, const at::Tensor& P, const at::Tens
 void lowrank_reconstruct_(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& M,
                           const at::Tensor& err) {
   const bool residual = err.defined();
-  if (residual) {
-    TORCH_CHECK(err.sizes() == M.sizes() && err.scalar_type() == M.scalar_type() &&
-                    err.device() == M.device() && err.is_contiguous(),
-                "lowrank_reconstruct_: err must be contiguous and shaped as M ", M.sizes(),
-                ", got ", err.sizes());
-  }
+  if (residual) check_error_buffer(err, M, "lowrank_reconstruct_");
   product(
       P, "P", Q, "Q", M, "M",
       [&](at::Tensor& out) {
