@@ -10,3 +10,4 @@
 #include <ddpx/hooks/post_localsgd_hook.h>
 #include <ddpx/hooks/powersgd_hook.h>
 #include <ddpx/hooks/powersgd_state.h>
+#include <ddpx/hooks/quantization_hook.h>

@@ -120,54 +120,76 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
           c10::TensorType::get());
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
-    const ProcessGroupPtr& pg, const at::Tensor& src, at::ScalarType wire_dtype, double pre_scale,
-    const at::Tensor& out, double post_scale) {
-  TORCH_INTERNAL_ASSERT(pg && src.is_contiguous() && out.is_contiguous());
-  TORCH_INTERNAL_ASSERT(src.numel() == out.numel());
-  const int64_t world = pg->getSize();
-  const int64_t n = src.numel();
-  const int64_t row_bytes = n * static_cast<int64_t>(c10::elementSize(wire_dtype));
+RowGather::RowGather(ProcessGroupPtr pg, int64_t row_bytes, const at::TensorOptions& options)
+    : pg_(std::move(pg)), row_bytes_(row_bytes) {
+  TORCH_INTERNAL_ASSERT(pg_ && row_bytes_ >= 0);
+  // Peers only: one copy of this rank's row per other rank (splits of 0 bytes to and from
+  // itself, so nothing is copied to self, and Gloo's CUDA path stages no row of its own). The
+  // reduction then uses this rank's own row in place.
+  const int64_t peers = pg_->getSize() - 1;
   auto& pool = StagingPool::instance();
-  // Peers only: one row of this rank's values per other rank (splits of 0 bytes to and from
-  // itself, so nothing is copied to self, and Gloo's CUDA path stages no row of its own), then
-  // the rows summed in rank order with this rank's own row used in place: every rank sums the
-  // same rows in the same order, so replicas stay identical.
-  const int64_t rank = pg->getRank();
+  send_ = pool.acquire(std::max<int64_t>(peers, 1) * row_bytes_, options);
+  recv_ = pool.acquire(peers * row_bytes_, options);
+  own_ = send_.narrow(0, 0, row_bytes_);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RowGather::start(Reduce reduce) {
+  const int64_t world = pg_->getSize();
+  const int64_t rank = pg_->getRank();
   const int64_t peers = world - 1;
-  at::Tensor send = pool.acquire(std::max<int64_t>(peers, 1) * row_bytes, src.options());
-  at::Tensor recv = pool.acquire(peers * row_bytes, src.options());
-  at::Tensor send_rows = send.view(wire_dtype).view({std::max<int64_t>(peers, 1), n});
-  scaled_cast_into(src, send_rows[0], pre_scale);
-  for (int64_t r = 1; r < peers; ++r) send_rows[r].copy_(send_rows[0]);
-  auto sum = [send, recv, wire_dtype, out, post_scale, rank, peers, n]() {
+  const int64_t row_bytes = row_bytes_;
+  at::Tensor send = send_, recv = recv_, own = own_;
+  if (peers > 1) {
+    at::Tensor rows = send.view({peers, row_bytes});
+    for (int64_t r = 1; r < peers; ++r) rows[r].copy_(rows[0]);
+  }
+  auto finish = [send, recv, own, peers, row_bytes, reduce = std::move(reduce)]() {
     // On a device, this runs on the callback's stream; the own row is in `send`, which (unlike
     // `recv`) is not the collective's value.
     keep_until_current_stream_done(send);
-    sum_rows_with_own_into(recv.view(wire_dtype).view({peers, n}),
-                           send.view(wire_dtype).narrow(0, 0, n), rank, out, post_scale);
+    at::Tensor result = reduce(recv.view({peers, row_bytes}), own);
     auto& pool = StagingPool::instance();
     pool.release(send);
     pool.release(recv);
-    return c10::IValue(out);
+    return c10::IValue(result);
   };
   if (world == 1) {
     auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
-    done->markCompleted(sum());
+    done->markCompleted(finish());
     return done;
   }
   // Two vectors: ProcessGroupGloo moves from its split-size arguments.
   std::vector<int64_t> out_splits(static_cast<size_t>(world), row_bytes);
   out_splits[static_cast<size_t>(rank)] = 0;
   std::vector<int64_t> in_splits = out_splits;
-  auto work = compat::all_to_all_single(*pg, recv, send, out_splits, in_splits);
-  return future_of(*work, src.device())
+  auto work = compat::all_to_all_single(*pg_, recv, send, out_splits, in_splits);
+  return future_of(*work, send.device())
       ->then(
-          [sum](c10::ivalue::Future& f) {
+          [finish](c10::ivalue::Future& f) {
             f.value();  // rethrows a failed collective: then() does not propagate errors itself
-            return sum();
+            return finish();
           },
           c10::TensorType::get());
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
+    const ProcessGroupPtr& pg, const at::Tensor& src, at::ScalarType wire_dtype, double pre_scale,
+    const at::Tensor& out, double post_scale) {
+  TORCH_INTERNAL_ASSERT(pg && src.is_contiguous() && out.is_contiguous());
+  TORCH_INTERNAL_ASSERT(src.numel() == out.numel());
+  const int64_t n = src.numel();
+  const int64_t row_bytes = n * static_cast<int64_t>(c10::elementSize(wire_dtype));
+  const int64_t rank = pg->getRank();
+  RowGather gather(pg, row_bytes, src.options());
+  scaled_cast_into(src, gather.own_row().view(wire_dtype), pre_scale);
+  // The rows summed in rank order with this rank's own row used in place: every rank sums the
+  // same rows in the same order, so replicas stay identical.
+  return gather.start(
+      [wire_dtype, out, post_scale, rank, n](const at::Tensor& peers, const at::Tensor& own) {
+        sum_rows_with_own_into(peers.view(wire_dtype).view({peers.size(0), n}),
+                               own.view(wire_dtype), rank, out, post_scale);
+        return out;
+      });
 }
 
 namespace {

@@ -9,6 +9,7 @@
 #include <ddpx/comm/exchange_mode.h>
 #include <ddpx/common/process_group.h>
 
+#include <functional>
 #include <memory>
 
 #include "comm/deferred.h"
@@ -33,6 +34,28 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
 c10::intrusive_ptr<c10::ivalue::Future> cast_gather_sum_into(
     const ProcessGroupPtr& pg, const at::Tensor& src, at::ScalarType wire_dtype, double pre_scale,
     const at::Tensor& out, double post_scale);
+
+// An exchange of one row of bytes per rank, for values that a hook encodes itself (the
+// quantization hooks' parameters and values in one row). Write this rank's row into own_row(),
+// then start(): one all-to-all sends it to every peer (Gloo's allgather copies through a flat
+// buffer of its own, see StagingPool in exchange.cpp), and the returned future, on the row's
+// device, completes with what `reduce(peers, own)` returns once the peers' rows are here.
+// `peers` holds them in rank order without this rank's ([world - 1, row_bytes] uint8), `own` is
+// own_row(). Both come from a reused staging pool and go back to it after `reduce`, which must
+// not keep them. Create and start from runHook (the collective's order is the calls' order);
+// one object per exchange.
+class RowGather {
+ public:
+  using Reduce = std::function<at::Tensor(const at::Tensor& peers, const at::Tensor& own)>;
+  RowGather(ProcessGroupPtr pg, int64_t row_bytes, const at::TensorOptions& options);
+  const at::Tensor& own_row() const { return own_; }
+  c10::intrusive_ptr<c10::ivalue::Future> start(Reduce reduce);
+
+ private:
+  ProcessGroupPtr pg_;
+  int64_t row_bytes_;
+  at::Tensor send_, recv_, own_;
+};
 
 // The mean of `tensor` over the group, written back into `tensor`: torch's allreduce_hook
 // (divide, then allreduce; bit-identical for fp32/fp64), or for 16-bit values where the mode

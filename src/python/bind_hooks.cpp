@@ -7,6 +7,7 @@
 #include <ddpx/hooks/compress_hook.h>
 #include <ddpx/hooks/compress_wrapper.h>
 #include <ddpx/hooks/noop_hook.h>
+#include <ddpx/hooks/quantization_hook.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -73,6 +74,23 @@ void bind_hooks(py::module& m) {
       },
       py::arg("hook"), py::arg("dtype"), "Native fp16/bf16_compress_wrapper around `hook`.");
   m.def("noop_hook", &hooks::noop_hook, "Native noop_hook.");
+  m.def(
+      "quantization_pertensor_hook",
+      [](const ProcessGroupPtr& pg) -> CommHookPtr {
+        return py_owned<CommHook>(new hooks::QuantizationHook(pg, 0));
+      },
+      py::arg("process_group"), "Native quantization_pertensor_hook over `process_group`.");
+  m.def(
+      "quantization_perchannel_hook",
+      [](const ProcessGroupPtr& pg, int64_t bucket_size) -> CommHookPtr {
+        TORCH_CHECK_VALUE(bucket_size >= 1,
+                          "quantization_perchannel_hook: bucket_size must be >= 1, got ",
+                          bucket_size);
+        return py_owned<CommHook>(new hooks::QuantizationHook(pg, bucket_size));
+      },
+      py::arg("process_group"), py::arg("bucket_size") = 512,
+      "Native quantization_perchannel_hook over `process_group`, channels of `bucket_size` "
+      "values.");
 
   m.def(
       "register_comm_hook",

@@ -1,6 +1,6 @@
-// Tests of the CUDA kernels in src/kernels/{cast,optim}_cuda.h against the CPU kernels, bit for
-// bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical NaNs).
-// Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
+// Tests of the CUDA kernels in src/kernels/{cast,optim,quantize}_cuda.h against the CPU kernels,
+// bit for bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical
+// NaNs). Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +20,8 @@
 #include "kernels/cast_cuda.h"
 #include "kernels/optim.h"
 #include "kernels/optim_cuda.h"
+#include "kernels/quantize.h"
+#include "kernels/quantize_cuda.h"
 
 namespace {
 
@@ -313,6 +315,85 @@ INSTANTIATE_TEST_SUITE_P(AllPairs, SumRowsCuda,
                                             ::testing::ValuesIn(kAllDTypes),
                                             ::testing::ValuesIn(kSizes)),
                          cuda_param_name);
+
+// The uint8 quantization: rows (scales, zero points, codes) and the dequantized means of three
+// rows, on the device and on the host, bit for bit; a NaN in one channel stays NaN there.
+class QuantizeCuda : public ::testing::TestWithParam<std::tuple<DType, int64_t, int64_t>> {};
+
+TEST_P(QuantizeCuda, MatchesCpuBitForBit) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const auto [t, n, channel] = GetParam();
+  const int64_t channels = channel == 0 ? 1 : n / channel + 1;
+  const int64_t ch = channel == 0 ? std::max<int64_t>(n, 1) : channel;
+  const int64_t row_bytes = k::quantized_row_bytes(n, channels);
+  const int64_t rows = 3;
+  std::vector<unsigned char> cpu_rows(static_cast<size_t>(rows * row_bytes));
+  std::vector<unsigned char> gpu_rows(cpu_rows.size());
+  DeviceBuffer x_dev(static_cast<size_t>(n) * esize(t)), rows_dev(cpu_rows.size());
+  DeviceBuffer work(static_cast<size_t>(k::quantize_row_cuda_workspace_bytes(n, ch, channels)));
+  for (int64_t r = 0; r < rows; ++r) {
+    // Finite values over a few binades; one NaN in rank 1's second channel.
+    std::vector<unsigned char> x(static_cast<size_t>(n) * esize(t));
+    std::mt19937_64 gen(static_cast<uint64_t>(n * 131 + channel * 7 + r));
+    std::uniform_real_distribution<float> val(-4.0f, 4.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      float f = val(gen);
+      if (r == 1 && channel != 0 && i == channel + 1) f = std::nanf("");
+      unsigned char* dst = x.data() + i * esize(t);
+      if (t == DType::kFloat32) std::memcpy(dst, &f, 4);
+      if (t == DType::kFloat64) {
+        const double d = f;
+        std::memcpy(dst, &d, 8);
+      }
+      if (t == DType::kFloat16) {
+        const uint16_t h = k::float_to_half_bits(f);
+        std::memcpy(dst, &h, 2);
+      }
+      if (t == DType::kBFloat16) {
+        const uint16_t h = k::float_to_bf16_bits(f);
+        std::memcpy(dst, &h, 2);
+      }
+    }
+    k::quantize_row_cpu(x.data(), t, n, ch, channels, cpu_rows.data() + r * row_bytes);
+    DDPX_ASSERT_CUDA(cudaMemcpy(x_dev.ptr, x.data(), x.size(), cudaMemcpyHostToDevice));
+    k::quantize_row_cuda(x_dev.ptr, t, n, ch, channels,
+                         static_cast<uint8_t*>(rows_dev.ptr) + r * row_bytes, work.ptr, nullptr);
+    DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  }
+  DDPX_ASSERT_CUDA(
+      cudaMemcpy(gpu_rows.data(), rows_dev.ptr, gpu_rows.size(), cudaMemcpyDeviceToHost));
+  for (int64_t r = 0; r < rows; ++r) {
+    const unsigned char* c = cpu_rows.data() + r * row_bytes;
+    const unsigned char* g = gpu_rows.data() + r * row_bytes;
+    std::vector<unsigned char> cs(c, c + 8 * channels), gs(g, g + 8 * channels);
+    expect_bitwise(gs, cs, DType::kFloat32, 2 * channels, "scales and zero points");
+    EXPECT_EQ(std::memcmp(c + 8 * channels, g + 8 * channels,
+                          static_cast<size_t>(row_bytes - 8 * channels)),
+              0)
+        << "codes of row " << r;
+  }
+  // Mean of the three rows, the device's own rows taken as the "own" row 1.
+  std::vector<unsigned char> cpu_out(static_cast<size_t>(n) * esize(t)), gpu_out(cpu_out.size());
+  std::vector<unsigned char> peers_host(cpu_rows.begin(), cpu_rows.begin() + row_bytes);
+  peers_host.insert(peers_host.end(), cpu_rows.begin() + 2 * row_bytes, cpu_rows.end());
+  k::dequantize_mean_cpu(peers_host.data(), cpu_rows.data() + row_bytes, 1, rows, n, ch, channels,
+                         cpu_out.data(), t);
+  DeviceBuffer peers_dev(peers_host.size()), out_dev(gpu_out.size());
+  DDPX_ASSERT_CUDA(
+      cudaMemcpy(peers_dev.ptr, peers_host.data(), peers_host.size(), cudaMemcpyHostToDevice));
+  k::dequantize_mean_cuda(static_cast<const uint8_t*>(peers_dev.ptr),
+                          static_cast<const uint8_t*>(rows_dev.ptr) + row_bytes, 1, rows, n, ch,
+                          channels, out_dev.ptr, t, nullptr);
+  DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  DDPX_ASSERT_CUDA(cudaMemcpy(gpu_out.data(), out_dev.ptr, gpu_out.size(), cudaMemcpyDeviceToHost));
+  expect_bitwise(gpu_out, cpu_out, t, n, "dequantized mean");
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndChannels, QuantizeCuda,
+                         ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat64,
+                                                              DType::kFloat16, DType::kBFloat16),
+                                            ::testing::Values<int64_t>(1, 1000, 1024, 300000),
+                                            ::testing::Values<int64_t>(0, 16, 512)));
 
 // n == 0 launches nothing and writes nothing; bad arguments raise before any launch.
 TEST(CudaKernelApi, EmptyAndBadArguments) {

@@ -127,6 +127,7 @@ MODULES = {
     "post_localSGD_hook": ["PostLocalSGDState", "post_localSGD_hook"],
     "ddp_zero_hook": ["hook_with_zero_step", "hook_with_zero_step_interleaved"],
     "zero_reduce_scatter_hook": ["reduce_scatter_hook"],
+    "quantization_hooks": ["quantization_pertensor_hook", "quantization_perchannel_hook"],
     "_native": ["register_comm_hook", "native_hook"],
 }
 

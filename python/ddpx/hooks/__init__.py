@@ -6,7 +6,8 @@ accepts (drop-in), and also carries the factory of its C++ object so that
 
 The modules follow torch's ``torch.distributed.algorithms.ddp_comm_hooks``, each family's state
 beside its hooks: ``default_hooks`` (the default hooks, the compress wrappers, ``noop_hook``),
-``powerSGD_hook``, ``post_localSGD_hook`` and ``ddp_zero_hook`` (ZeRO's overlap with DDP), and
+``powerSGD_hook``, ``post_localSGD_hook``, ``quantization_hooks`` and ``ddp_zero_hook`` (ZeRO's
+overlap with DDP), and
 ddpx's own ``zero_reduce_scatter_hook`` (ZeRO-2 style gradient sharding);
 ``_native`` is the machinery they share (see its
 docstring for the state protocol a new hook's state implements). As before, the attributes
@@ -20,6 +21,7 @@ from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from .zero_reduce_scatter_hook import reduce_scatter_hook
+from .quantization_hooks import quantization_perchannel_hook, quantization_pertensor_hook
 
 __all__ = [
     "allreduce_hook",
@@ -36,6 +38,8 @@ __all__ = [
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "reduce_scatter_hook",
+    "quantization_pertensor_hook",
+    "quantization_perchannel_hook",
     "register_comm_hook",
     "native_hook",
 ]

@@ -23,6 +23,7 @@ around a hook included):
   hook runs it.
 """
 import atexit
+import functools
 import logging
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
@@ -130,8 +131,22 @@ def _value(fut: torch.futures.Future) -> torch.Tensor:
     return fut.value()
 
 
+def _bind_partial(hook: functools.partial) -> HookFn:
+    """The ddpx hook function that ``functools.partial(ddpx_hook, **keywords)`` stands for
+    (``quantization_perchannel_hook``'s ``bucket_size``): keyword arguments only."""
+    bind = getattr(hook.func, "_ddpx_bind", None)
+    if bind is None or hook.args:
+        raise TypeError(
+            "a functools.partial hook must bind keyword arguments of a ddpx hook that takes "
+            "them (e.g. functools.partial(ddpx.hooks.quantization_perchannel_hook, "
+            f"bucket_size=128)), got {hook!r}")
+    return bind(**hook.keywords)
+
+
 def native_hook(hook: HookFn, state: Any = None) -> "_C.CommHook":
     """Returns the C++ hook object behind a ddpx hook function for ``state`` (cached)."""
+    if isinstance(hook, functools.partial):
+        hook = _bind_partial(hook)
     factory = getattr(hook, "_ddpx_factory", None)
     if factory is None:
         raise TypeError(
@@ -174,7 +189,8 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
         state: the hook's state, as for ``ddp_model.register_comm_hook`` (a ProcessGroup or
             None for the default group for the default hooks).
-        hook: a ddpx hook, e.g. ``ddpx.hooks.fp16_compress_hook``.
+        hook: a ddpx hook, e.g. ``ddpx.hooks.fp16_compress_hook``, or a ``functools.partial``
+            of one with keyword arguments (``quantization_perchannel_hook``'s ``bucket_size``).
 
     A DDP model takes one communication hook: registering a second one (by either path)
     raises RuntimeError, as in torch. So does a model built for torch.compile's
@@ -188,11 +204,12 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, sta
         )
     if _compat.uses_python_reducer(ddp_model):
         raise RuntimeError(f"register_comm_hook: {_compat.PYTHON_REDUCER_MESSAGE}")
-    native = native_hook(hook, state)
+    named = _bind_partial(hook) if isinstance(hook, functools.partial) else hook
+    native = native_hook(named, state)
     _call_back(state, "_ddpx_on_register_", ddp_model)
     # The name DDP's logging data records for this hook: the same as on the drop-in path (DDP
     # logs a Python hook's __qualname__), so monitoring sees one name whichever path registered it.
-    _compat.set_comm_hook_name(ddp_model, hook.__qualname__)
+    _compat.set_comm_hook_name(ddp_model, named.__qualname__)
     _C.register_comm_hook(_compat.reducer_of(ddp_model), native)
     _compat.record_comm_hook(ddp_model, hook, state)
 
