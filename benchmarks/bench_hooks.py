@@ -19,6 +19,9 @@ baseline's median step in that round, then the median over rounds. Ratios and th
 
 Before timing, verify() checks the gradients after one backward:
   * ddpx allreduce (drop-in and native) == torch allreduce_hook, bit for bit;
+  * ddpx quantization_pertensor/perchannel_hook == torch's, bit for bit (on CPU; torch's
+    per-channel hook loops over channels of 512 in Python: select it with --configs on a large
+    model only with few rounds);
   * ddpx noop == torch noop (local gradients), bit for bit;
   * ddpx fp16/bf16: |g - exact mean| <= u * mean_r |g_r| + subnormal slack, with u the unit
     round-off of the 16-bit type (one rounding per rank, fp32 sums), and close to torch's
@@ -38,7 +41,8 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import (debugging_hooks, default_hooks,
+                                                        quantization_hooks)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bench_common as bc
@@ -61,6 +65,12 @@ CONFIGS = {
     "torch_bf16": ("torch", "python", "default_hooks.bf16_compress_hook"),
     "ddpx_bf16_dropin": ("ddpx", "drop-in", "ddpx.hooks.bf16_compress_hook"),
     "ddpx_bf16_native": ("ddpx", "native", "ddpx.hooks.bf16_compress_hook"),
+    "torch_qtensor": ("torch", "python", "quantization_hooks.quantization_pertensor_hook"),
+    "ddpx_qtensor_dropin": ("ddpx", "drop-in", "ddpx.hooks.quantization_pertensor_hook"),
+    "ddpx_qtensor_native": ("ddpx", "native", "ddpx.hooks.quantization_pertensor_hook"),
+    "torch_qchannel": ("torch", "python", "quantization_hooks.quantization_perchannel_hook"),
+    "ddpx_qchannel_dropin": ("ddpx", "drop-in", "ddpx.hooks.quantization_perchannel_hook"),
+    "ddpx_qchannel_native": ("ddpx", "native", "ddpx.hooks.quantization_perchannel_hook"),
 }
 BASELINE = "ddpx_noop_native"
 TORCH_BASELINE = "torch_noop"
@@ -78,6 +88,10 @@ PAIRS = [
     ("torch_fp16", "ddpx_bf16_native"),
     ("torch_bf16", "ddpx_bf16_dropin"),
     ("torch_bf16", "ddpx_bf16_native"),
+    ("torch_qtensor", "ddpx_qtensor_dropin"),
+    ("torch_qtensor", "ddpx_qtensor_native"),
+    ("torch_qchannel", "ddpx_qchannel_dropin"),
+    ("torch_qchannel", "ddpx_qchannel_native"),
 ]
 
 
@@ -108,10 +122,16 @@ def register(name: str, ddp: DDP, ddpx) -> None:
         ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     elif name == "torch_bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "torch_qtensor":
+        ddp.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)
+    elif name == "torch_qchannel":
+        ddp.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)
     else:
         _, kind, path = name.split("_")
         hook = {"noop": H.noop_hook, "allreduce": H.allreduce_hook,
-                "fp16": H.fp16_compress_hook, "bf16": H.bf16_compress_hook}[kind]
+                "fp16": H.fp16_compress_hook, "bf16": H.bf16_compress_hook,
+                "qtensor": H.quantization_pertensor_hook,
+                "qchannel": H.quantization_perchannel_hook}[kind]
         bc.register_hook(ddpx, ddp, None, hook, native=path == "native")
 
 
@@ -142,7 +162,10 @@ def verify(ddps: Dict[str, DDP], base: torch.nn.Module, x, y, world: int) -> dic
 
     for t, d in [("torch_allreduce", "ddpx_allreduce_dropin"),
                  ("torch_allreduce", "ddpx_allreduce_native"),
-                 ("torch_noop", "ddpx_noop_dropin"), ("torch_noop", "ddpx_noop_native")]:
+                 ("torch_noop", "ddpx_noop_dropin"), ("torch_noop", "ddpx_noop_native"),
+                 ("torch_qtensor", "ddpx_qtensor_dropin"), ("torch_qtensor", "ddpx_qtensor_native"),
+                 ("torch_qchannel", "ddpx_qchannel_dropin"),
+                 ("torch_qchannel", "ddpx_qchannel_native")]:
         if t in grads and d in grads:
             diff = (grads[t] - grads[d]).abs().max().item()
             record(f"{d} == {t} (bitwise)", torch.equal(grads[t], grads[d]),
