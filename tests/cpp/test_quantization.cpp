@@ -309,7 +309,8 @@ TEST(QuantizationHookEdges, BadArgumentsAreRefused) {
   const auto& pgs = ddpx_test::shared_gloo_world(1);
   EXPECT_THAT(ddpx_test::value_error([&] { ddpx::hooks::quantization_perchannel_hook(pgs[0], 0); }),
               HasSubstr("bucket_size must be >= 1, got 0"));
-  EXPECT_THAT(ddpx_test::error_message([&] { ddpx::hooks::quantization_pertensor_hook(nullptr); }),
+  EXPECT_THAT(ddpx_test::error_message(
+                  [&] { ddpx::hooks::quantization_pertensor_hook(ddpx::ProcessGroupPtr()); }),
               HasSubstr("process_group"));
   CommHookPtr hook = ddpx::hooks::quantization_pertensor_hook(pgs[0]);
   at::Tensor ints = at::ones({8}, at::kInt);
