@@ -232,6 +232,16 @@ TEST(QuantizeKernelEdges, BadArgumentsAreRefused) {
 using HookCase = std::tuple<int /*world*/, at::ScalarType, int64_t /*n*/, int64_t /*bucket_size*/>;
 class QuantizationHookTest : public ::testing::TestWithParam<HookCase> {};
 
+// Whether this torch's at::round runs on CPU tensors of `dtype`.
+bool cpu_round_supports(at::ScalarType dtype) {
+  try {
+    at::round(at::ones({2}, at::TensorOptions().dtype(dtype)));
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
 TEST_P(QuantizationHookTest, EqualsTorchsHookBitForBit) {
   // Not a structured binding: the rank lambda captures these (C++17 cannot capture bindings).
   const int world = std::get<0>(GetParam());
@@ -240,6 +250,11 @@ TEST_P(QuantizationHookTest, EqualsTorchsHookBitForBit) {
   const int64_t bucket_size = std::get<3>(GetParam());
   const uint64_t seed = ddpx_test::mix_seed(
       static_cast<uint64_t>(world * 1000003 + n * 7 + bucket_size) + static_cast<uint64_t>(dtype));
+  // torch's hook rounds the quotient in the bucket's dtype; torch 1.13 has no CPU round for
+  // 16-bit tensors, so its hook (and the port of it below) cannot run on such buckets there.
+  if (!cpu_round_supports(dtype)) {
+    GTEST_SKIP() << "this torch cannot round " << dtype << " on the CPU: its hook cannot run";
+  }
   std::vector<at::Tensor> inputs;
   for (int r = 0; r < world; ++r) inputs.push_back(rank_input(seed, r, n, dtype));
   // What DDP ends with from torch's fp32 result: the gradients' dtype.
