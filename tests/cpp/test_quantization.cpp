@@ -250,10 +250,11 @@ TEST_P(QuantizationHookTest, EqualsTorchsHookBitForBit) {
   const int64_t bucket_size = std::get<3>(GetParam());
   const uint64_t seed = ddpx_test::mix_seed(
       static_cast<uint64_t>(world * 1000003 + n * 7 + bucket_size) + static_cast<uint64_t>(dtype));
-  // torch's hook rounds the quotient in the bucket's dtype; torch 1.13 has no CPU round for
-  // 16-bit tensors, so its hook (and the port of it below) cannot run on such buckets there.
-  if (!cpu_round_supports(dtype)) {
-    GTEST_SKIP() << "this torch cannot round " << dtype << " on the CPU: its hook cannot run";
+  // torch's hook rounds the quotient in the bucket's dtype. A torch without a CPU round for fp16
+  // (1.13) cannot run its hook on fp16 buckets, and its bf16 quotients differ by a step from
+  // those of the torches whose results ddpx reproduces (2.x): 16-bit is compared there.
+  if (dtype != at::kFloat && dtype != at::kDouble && !cpu_round_supports(at::kHalf)) {
+    GTEST_SKIP() << "this torch's 16-bit arithmetic is not the one ddpx's hook reproduces";
   }
   std::vector<at::Tensor> inputs;
   for (int r = 0; r < world; ++r) inputs.push_back(rank_input(seed, r, n, dtype));
