@@ -37,25 +37,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "examples"))
 
 import bench_network  # noqa: E402  (its hooks' registration and its counter reader)
 
 # allreduce first: its final accuracy is every other hook's target.
 HOOKS = ["allreduce", "torch_fp16", "ddpx_fp16", "torch_powersgd4_1bucket", "ddpx_powersgd4",
          "ddpx_powersgd1"]
-
-
-def load_split(seed: int):
-    import torch
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    scaler = StandardScaler().fit(x_tr)
-    as_x = lambda a: torch.tensor(scaler.transform(a), dtype=torch.float32)  # noqa: E731
-    as_y = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
-    return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
 
 
 def make_model(hidden: int, seed: int):
@@ -74,7 +62,8 @@ def worker(args) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.job_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    x_tr, y_tr, x_te, y_te = load_split(args.seed)
+    from train_digits import load_digits_split  # the main job's split and scaling
+    x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
     per_rank = len(x_tr) // world
     steps_per_epoch = per_rank // args.batch_size
     results = []

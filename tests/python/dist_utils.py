@@ -19,7 +19,9 @@ function of a test module (conftest.py puts this directory on sys.path).
 """
 import datetime
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -265,3 +267,18 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (),
                     continue
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def build_cmake_project(src: str, build: str, prefix: str) -> None:
+    """Configures and builds the CMake project in `src` into `build` against the packages under
+    `prefix` (the installed ddpx's ``cmake_prefix_path``), as a C++ user would: Release, ninja
+    and ccache where present, no package registry. Asserts that both steps succeed."""
+    cfg = ["cmake", "-S", str(src), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}",
+           "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"]
+    if shutil.which("ninja"):
+        cfg += ["-G", "Ninja"]
+    if shutil.which("ccache"):
+        cfg += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+    for cmd in (cfg, ["cmake", "--build", str(build), "--parallel", "2"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

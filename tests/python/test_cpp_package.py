@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 import ddpx
-from dist_utils import free_port
+from dist_utils import build_cmake_project, free_port
 
 PREFIX = ddpx.cmake_prefix_path
 CONFIG = os.path.join(PREFIX, "lib", "cmake", "ddpx", "ddpxConfig.cmake")
@@ -71,15 +71,7 @@ def test_find_package_from_cmake_prefix_path(tmp_path):
     """))
     (src / "main.cpp").write_text(PROGRAM)
     build = tmp_path / "build"
-    cfg = ["cmake", "-S", str(src), "-B", str(build), f"-DCMAKE_PREFIX_PATH={PREFIX}",
-           "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"]
-    if shutil.which("ninja"):
-        cfg += ["-G", "Ninja"]
-    if shutil.which("ccache"):
-        cfg += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
-    for cmd in (cfg, ["cmake", "--build", str(build), "--parallel", "2"]):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    build_cmake_project(src, build, PREFIX)
     done = subprocess.run([str(build / "uses_ddpx"), str(free_port())], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -19,6 +19,7 @@ import pytest
 
 import ddpx
 import torch_compat as tc
+from dist_utils import build_cmake_project
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -212,15 +213,7 @@ def test_cpp_quick_start_builds_and_trains(tmp_path):
     for name, code in files.items():
         (src / name).write_text(code)
     build = tmp_path / "build"
-    cfg = ["cmake", "-S", str(src), "-B", str(build), f"-DCMAKE_PREFIX_PATH={PREFIX}",
-           "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"]
-    if shutil.which("ninja"):
-        cfg += ["-G", "Ninja"]
-    if shutil.which("ccache"):
-        cfg += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
-    for cmd in (cfg, ["cmake", "--build", str(build), "--parallel", "2"]):
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    build_cmake_project(src, build, PREFIX)
     out = _torchrun(["--no_python", str(build / "train")], cwd=str(tmp_path))
     rates = [float(m.group(2)) for m in _lines(out, r"rank (\d): PowerSGD compression ([\d.]+)x")]
     assert len(rates) == 2 and min(rates) > 1.5, out[-3000:]
