@@ -6,7 +6,8 @@
   decompress ddpx._C.scaled_cast(h, float32)    vs  torch.empty(n).copy_(h)  (torch's hook epilogue)
   orthogonalize  ddpx._C.orthogonalize_(flat, rows, cols)  vs  torch's PowerSGD _orthogonalize
              (batched QR above rank 2, its Python Gram-Schmidt at ranks 1-2), in place, on the
-             P shapes of --gs-shapes (review finding F1: PowerSGD at rank 32 below torch's QR)
+             P shapes of --gs-shapes (tall matrices at high rank, where one block per matrix
+             would leave most SMs idle)
 
 Bandwidth is "useful" bytes / time for both sides: the bytes one fused pass must read and write
 (compress: 4n read + 2n written; sum_rows: 2*rows*n read + 4n written; decompress: 2n + 4n),
@@ -164,8 +165,8 @@ def run_orthogonalize(args, dev, timer, inner) -> List[dict]:
     out = []
     gen = torch.Generator().manual_seed(1)
     cuda = dev.type == "cuda"
-    # On CUDA also ddpx with one block per matrix (spread=False): the kernel before review
-    # finding F1's multi-block version, for the gain of the latter.
+    # On CUDA also ddpx with one block per matrix (spread=False), for what spreading a tall
+    # matrix over several blocks gains.
     print("\n| orthogonalize | matrices | torch ms | ddpx ms | torch/ddpx |"
           + (" ddpx one block/matrix ms | one block / ddpx |" if cuda else ""))
     print("|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))

@@ -56,12 +56,12 @@ Sections (--sections, all by default), 2 Gloo ranks (--world-size), 1 torch thre
    --layers x nn.Linear(--consolidate-width, ...), by default 2048 wide (16.8M params, 128 MiB
    of state), not section 1's 4096: torch's consolidation pickles each rank's state and turns
    the bytes into a tensor with torch.ByteTensor(bytearray), element by element in Python, so on
-   the 67M-parameter model it takes 20-40 s per call (~100x the flat broadcast) and ~2.8 GiB of
-   extra memory on the sender; --consolidate-width 4096 measures section 1's model (section 1's
-   bucket_view=False optimizers, after their steps). (A consolidation moves only the other
-   ranks' shares, (W-1)/W of the bytes; a flat broadcast of that share is printed too, for
-   information.) Time = slowest rank. Target: ddpx <= 2 x the flat broadcast (median per-round
-   ratio).
+   the 67M-parameter model it takes tens of seconds per call (orders of magnitude more than the
+   flat broadcast) and gigabytes of extra memory on the sender; --consolidate-width 4096
+   measures section 1's model (section 1's bucket_view=False optimizers, after their steps).
+   (A consolidation moves only the other ranks' shares, (W-1)/W of the bytes; a flat broadcast
+   of that share is printed too, for information.) Time = slowest rank. Target: ddpx <= 2 x the
+   flat broadcast (median per-round ratio).
 
 4. small: --small-layers x nn.Linear(--small-width, --small-width) (default 128 x 64: 256
    tensors, 532K parameters), SGD(lr=0.01, momentum=0.9): ZeRO's step (bucket view False and
@@ -764,8 +764,8 @@ def main(argv=None) -> int:
                    help=f"width of section 3's model (--layers x Linear) and of the "
                         f"consolidation memory probe; default {FULL['consolidate_width']} "
                         f"(--quick {QUICK['consolidate_width']}); = --width: section 1's "
-                        f"optimizers (torch's consolidation of the 4096 model takes 20-40 s per "
-                        f"call here)")
+                        f"optimizers (torch's consolidation of the 4096 model takes tens of "
+                        f"seconds per call)")
     p.add_argument("--consolidate-rounds", type=int,
                    help=f"section 3 rounds; default {FULL['consolidate_rounds']}")
     p.add_argument("--mem-steps", type=int,

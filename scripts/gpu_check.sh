@@ -23,8 +23,8 @@
 # Budget. The whole run, machine start aside, ends within DDPX_GPU_DEADLINE_S (default 480 s,
 # 8 minutes), so that a second try fits in the 15 minutes a task's machine is lent for. The
 # required steps' limits add up to 470 s (checked by --plan and tests/python/test_gpu_check.py);
-# each is at or near the upper end of what a read-only review of the CUDA code estimated (no GPU
-# run has been timed yet; the JUnit files and the step times of the first run will tell):
+# each is at or near the upper end of its estimate below (the JUnit files and the step times
+# that a run leaves in $OUT give the real ones):
 #
 #   step              limit  estimate  what
 #   env                  10     8      machine, torch, CUDA, NCCL versions

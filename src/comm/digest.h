@@ -35,8 +35,8 @@ enum class AgreeOn {
   kHost,
   // On `device`, on a side stream: uploaded from pinned memory, read back into pinned memory,
   // and only that stream waited for. The host does not wait for the work queued on the current
-  // stream (review finding H1: a pageable upload and .cpu() drained the GPU queue at every
-  // averaging step); it waits for the group's earlier collectives and for the other ranks.
+  // stream (a pageable upload or .cpu() would drain the GPU queue at every averaging step); it
+  // waits for the group's earlier collectives and for the other ranks.
   kDevice,
 };
 

@@ -69,7 +69,7 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const ProcessGroupPtr& pg
 // Chunking of the hooks' staged exchanges, so that casting and summing one chunk overlap the
 // transfers of the others: about 1M elements (2 MiB of 16-bit values) per chunk, at most 8,
 // each starting on a multiple of 64 elements (128 bytes of 16-bit values, 256 of fp32: the cast
-// kernels take their vector path only on aligned pointers, review F2). The chunk length for
+// kernels take their vector path only on aligned pointers). The chunk length for
 // `n` elements; n itself when there is one chunk.
 int64_t exchange_chunk_length(int64_t n);
 

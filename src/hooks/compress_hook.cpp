@@ -35,7 +35,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressHook::runHook(c10d::GradBucket& 
   const double inv_world = 1.0 / pg_->getSize();
   // Decided on what travels (dtype_), not on the fp32 bucket: an fp32 bucket on Gloo takes the
   // chunked exchanges below, cast fused into the staging rows, instead of a full-size 16-bit copy
-  // that sum_into would then gather unchunked (review finding P2).
+  // that sum_into would then gather unchunked.
   const ExchangeMode mode =
       resolve_exchange_mode(exchange_, *pg_, dtype_, buffer.device(), /*two_rounds=*/true);
   if (mode == ExchangeMode::kReduceScatter) {

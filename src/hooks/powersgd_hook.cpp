@@ -294,7 +294,7 @@ std::shared_ptr<BucketLayout> layout_for(PowerSGDState& st, const c10d::GradBuck
 // per matrix), so the factors equal those of torch's hook.
 // The draws land in one host buffer (pinned when Q lives on a GPU) that reaches Q in one copy,
 // non-blocking on CUDA: one transfer per bucket instead of one synchronous pageable copy per
-// matrix (review H2). The values are the same as drawing into each slice directly.
+// matrix. The values are the same as drawing into each slice directly.
 void randomize_q(PowerSGDState& st, BucketLayout& L, bool batch_same_shape) {
   const int64_t seed = st.draw_seed();
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
@@ -522,7 +522,7 @@ void start_round_two(const ProcessGroupPtr& pg, const std::shared_ptr<PowerSGDJo
       L.wire_dtype == L.compute_dtype ? L.q_factors : scaled_cast(L.q_factors, L.wire_dtype, 1.0);
   // The sum, then a division by the world size as torch's hook does (`div_(world_size)`): the
   // same rounding as torch for any world size, where a multiplication by 1/W differs in the last
-  // bit unless W is a power of two (review N1); no in-place scaled_cast either (review B4).
+  // bit unless W is a power of two. Hence torch's div_ below, not an in-place scaled_cast.
   FuturePtr round2 = sum_into(pg, wire, L.q_factors, 1.0, ExchangeMode::kAuto);
   round2->addCallback([job](c10::ivalue::Future& f) {
     if (f.hasError()) {

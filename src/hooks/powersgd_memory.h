@@ -41,8 +41,8 @@ struct BucketLayout {
   // The uncompressed gradients as runs of the bucket, adjacent ones merged: (offset, numel),
   // packed in this order at the head of round_one. With two runs or more, `uncompressed_index`
   // (int64, on the layout's device) lists the bucket positions of their elements, so that
-  // packing is one gather and, on a GPU, unpacking one scatter (review F2: two copies per
-  // tensor were dozens of launches per step for transformer buckets of biases and norms).
+  // packing is one gather and, on a GPU, unpacking one scatter (two copies per tensor would be
+  // dozens of launches per step for transformer buckets of biases and norms).
   std::vector<std::pair<int64_t, int64_t>> uncompressed_runs;
   at::Tensor uncompressed_index;
   std::vector<CompMatrix> comp;                   // compressed gradients, torch's order (by shape)
@@ -63,7 +63,7 @@ struct BucketLayout {
   at::Tensor error;  // error-feedback residual, [bucket numel] (batched: [side * side])
   // Per-step working memory, allocated once with the layout and reused every step (round two runs
   // on another stream on CUDA: a per-step temporary freed when the job dies could be handed to
-  // the next bucket while that stream still reads it; review finding B1).
+  // the next bucket while that stream still reads it).
   at::Tensor work_copy;             // the bucket in compute_dtype, when that is not its dtype
   std::vector<at::Tensor> stacked;  // batch_tensors_with_same_shape: [count, rows, cols] per group
   ops::MatrixPack p_pack, q_pack;

@@ -1,5 +1,6 @@
 // Device facts the CUDA kernels size their launches by, queried once per device (and kernel)
-// instead of on every launch (review finding F2). Include from .cu files only.
+// instead of on every launch: they do not change, and the queries are host calls that a small
+// launch would otherwise pay each time. Include from .cu files only.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,7 +1,7 @@
 // Torch-free CPU kernels for PowerSGD's three products with a tall, skinny factor (r small):
 // P = M Q, Q = M^T P and M = P Q^T, each reading or writing the n x m matrix M exactly once.
-// A general GEMM library handles these shapes poorly (Debian's generic BLAS runs M^T P at under
-// 1 GFLOP/s), while the products are memory-bound: one pass over M is the floor.
+// A general GEMM library handles these shapes poorly (a generic BLAS runs M^T P far below the
+// memory bound), while the products are memory-bound: one pass over M is the floor.
 #pragma once
 
 #include <cstdint>

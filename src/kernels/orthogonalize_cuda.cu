@@ -5,7 +5,7 @@
 //  * several blocks per matrix (a "tall" plan), one row per thread held in registers, the blocks
 //    of a matrix combining their sums through global memory between grid-wide barriers of a
 //    cooperative launch: for a few tall matrices (PowerSGD's P of a large layer, one matrix per
-//    bucket), which one block would walk through alone, on one SM (review finding F1).
+//    bucket), which one block would walk through alone, on one SM.
 #include <cooperative_groups.h>
 
 #include <atomic>
@@ -81,7 +81,7 @@ __global__ void gram_schmidt_kernel(T* data, const int64_t* offsets, const int64
       // Every later column loses its projection on column i. The dot products of one step do not
       // depend on each other (column c's update touches only column c), so they are computed in
       // one sweep over the rows and reduced together, kDotChunk at a time: O(r) block reductions
-      // per matrix instead of O(r^2) (review finding F1). Each dot keeps its arithmetic: the same
+      // per matrix instead of O(r^2). Each dot keeps its arithmetic: the same
       // per-thread partial sum over the same rows, then the same reduction tree, so the result is
       // bit-identical to reducing the columns one by one.
       for (int64_t c0 = i + 1; c0 < r; c0 += kDotChunk) {

@@ -66,7 +66,7 @@ void scaled_cast_into(const at::Tensor& src, const at::Tensor& dst, double scale
   const auto dt = to_kernel_dtype(dst.scalar_type(), "destination tensor");
   if (src.numel() == 0) return;
   // In place is one dtype over the same elements; any other overlap would read values already
-  // overwritten (and break the CUDA kernel's no-alias promise, review finding B4).
+  // overwritten (and break the CUDA kernel's no-alias promise).
   const char* s = static_cast<const char*>(src.data_ptr());
   const char* d = static_cast<const char*>(dst.data_ptr());
   TORCH_CHECK(s == d ? src.scalar_type() == dst.scalar_type()

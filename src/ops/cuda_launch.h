@@ -1,5 +1,6 @@
 // What every CUDA launch of the ATen layer needs: a guard for the tensor's device and that
-// device's current stream (never the default stream by accident; STYLE: streams).
+// device's current stream (never the default stream by accident: the inputs were queued on the
+// current one, which need not be the default).
 #pragma once
 
 namespace ddpx {

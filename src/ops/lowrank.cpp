@@ -19,12 +19,11 @@ namespace ops {
 namespace {
 
 // From this rank on, torch's BLAS beats the one-pass kernels when it is MKL: their cost grows
-// with the rank (compute-bound, about 10 GFLOP/s) while MKL's GEMM runs these shapes at about
-// 80 GFLOP/s on one thread. PowerSGD at rank 32 on torch 2.11 (CPU, 2 Gloo ranks): ddpx's
-// overhead 1.68x torch's with the kernels, 0.59-0.73x with MKL's GEMM (docs/benchmarks.md
-// section 2, `bench_powersgd.py --ranks 1,4,32` at e707d0a and ba75511). Below rank 16 the
-// kernels' single pass over M is kept. A generic BLAS (Debian's torch: 3.6 GFLOP/s) never beats
-// them. The choice depends on the shapes and torch's build alone, so every rank makes the same.
+// with the rank (they turn compute-bound) while MKL's blocked GEMM runs these shapes several times
+// faster per thread (`bench_powersgd.py --ranks 1,4,32` shows the crossover; figures in
+// docs/benchmarks.md). Below rank 16 the kernels' single pass over M is kept. A generic BLAS
+// never beats them. The choice depends on the shapes and torch's build alone, so every rank
+// makes the same.
 constexpr int64_t kBlasMinRank = 16;
 
 // ddpx's one-pass CPU kernels take contiguous fp32/fp64 tensors of one dtype, at ranks below

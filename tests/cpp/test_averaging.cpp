@@ -547,9 +547,9 @@ TEST(AverageParameters, ParamsWithGrad) {
   EXPECT_TRUE(ddpx::params_with_grad({b}).empty());
 }
 
-// Parameters that share memory (issue 10, item 1): a 2M-element parameter listed twice used to be
-// divided by one in-place job while the other's allreduce was in flight on it (values off by up
-// to 2e5 times the mean). Each element must be averaged once: listed twice, a view listed with
+// Parameters that share memory: a 2M-element parameter listed twice must not be divided by one
+// in-place job while the other's allreduce is in flight on it (which puts values far off the
+// mean). Each element must be averaged once: listed twice, a view listed with
 // its base (either order), a transpose, views that overlap partly, interleaved strided views.
 // Expected: every element some listed tensor touches equals its mean over the ranks (computed
 // by averaging an unaliased copy), every other element keeps its value.
@@ -618,8 +618,8 @@ TEST(AverageParameters, TensorsSharingMemoryAverageEachElementOnce) {
   }
 }
 
-// Ranks that pass different tensors (issue 10, item 4) used to abort the process inside Gloo
-// (or hang): every rank must raise a ValueError instead, and the group stays usable.
+// Ranks that pass different tensors would abort the process inside Gloo (or hang) if they
+// reached it: every rank must raise a ValueError instead, and the group stays usable.
 TEST(AverageParameters, RanksPassingDifferentTensorsRaiseOnEveryRank) {
   const std::vector<std::pair<const char*, std::function<std::vector<at::Tensor>(int)>>> cases = {
       {"sizes", [](int rank) { return std::vector<at::Tensor>{at::ones({10 + rank})}; }},
@@ -754,7 +754,7 @@ TEST(PeriodicModelAverager, SetStepAndParamGroups) {
   });
 }
 
-// Issue 10: period and warmup_steps are settable mid-run, as torch's attributes are; the next
+// period and warmup_steps are settable mid-run, as torch's attributes are; the next
 // call follows the new schedule.
 TEST(PeriodicModelAverager, PeriodAndWarmupChangeMidRun) {
   ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {

@@ -195,7 +195,7 @@ TEST(Reducer, MadeByTheCompatFactoryAveragesGradientsWithAHook) {
 }
 
 // A torch 2.x group of several backends: the exchange rule asks the backend of the tensors'
-// device, not the group's default (review finding P4). Here the default says "nccl" while CPU
+// device, not the group's default. Here the default says "nccl" while CPU
 // and CUDA tensors go to Gloo, so 16-bit CUDA values must take the gather (Gloo's 16-bit sums
 // are slow and, in 1.13, refused); asking the default would have sent them to Gloo's allreduce.
 TEST(ExchangeMode, AsksTheBackendOfTheTensorsDevice) {

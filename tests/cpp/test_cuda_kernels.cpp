@@ -165,7 +165,7 @@ TEST_P(ScaledCastCuda, MatchesCpuBitForBit) {
     for (int dst_off : {0, 1}) {
       char* s = static_cast<char*>(d_src.ptr) + src_off * esize(src_t());
       char* d = static_cast<char*>(d_dst.ptr) + dst_off * esize(dst_t());
-      // On the kernels' stream (review T1: a pageable cudaMemcpy is not ordered before work on a
+      // On the kernels' stream (a pageable cudaMemcpy is not ordered before work on a
       // non-blocking stream).
       DDPX_ASSERT_CUDA(cudaMemcpyAsync(s, src.data(), src.size(), cudaMemcpyHostToDevice, stream));
       for (float scale : {1.0f, 1.0f / 3.0f, -0.25f}) {
@@ -203,7 +203,7 @@ TEST_P(SumRowsCuda, MatchesCpuBitForBit) {
     for (int off : {0, 1}) {
       char* s = static_cast<char*>(d_src.ptr) + off * esize(src_t());
       char* d = static_cast<char*>(d_dst.ptr) + off * esize(dst_t());
-      // On the kernels' stream (review T1: a pageable cudaMemcpy is not ordered before work on a
+      // On the kernels' stream (a pageable cudaMemcpy is not ordered before work on a
       // non-blocking stream).
       DDPX_ASSERT_CUDA(cudaMemcpyAsync(s, src, src_bytes, cudaMemcpyHostToDevice, stream));
       for (float scale : {1.0f, 1.0f / 3.0f}) {
@@ -271,7 +271,7 @@ TEST_P(SumRowsCuda, OwnRowApartMatchesCpuBitForBit) {
   DDPX_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
-// In place (src == dst, one dtype) takes a kernel without __restrict__ (review finding B4); it
+// In place (src == dst, one dtype) takes a kernel without __restrict__ (the two alias); it
 // must give what the CPU kernel gives in place, aligned or not.
 TEST_P(ScaledCastCuda, InPlaceMatchesCpuBitForBit) {
   DDPX_SKIP_WITHOUT_GPU();

@@ -384,9 +384,9 @@ TEST(OrthogonalizeCpuEpsilon, AddsEpsilonToTheNorm) {
   epsilon_closed_form<double>();
 }
 
-// Review finding B3: a float column whose norm is positive but below ~2.9e-39 (denormal entries)
-// has a reciprocal norm above FLT_MAX; scaling by it in float gave inf/NaN ({1e-40, -2e-40, 0,
-// 3e-40} -> inf -inf nan inf), and PowerSGD's error feedback would keep the NaN for good. The
+// A float column whose norm is positive but below ~2.9e-39 (denormal entries) has a reciprocal
+// norm above FLT_MAX; scaling by it in float gives inf/NaN ({1e-40, -2e-40, 0, 3e-40} -> inf
+// -inf nan inf), and PowerSGD's error feedback would keep the NaN for good. The
 // column must come out unit-norm and finite, like any other; the next column orthogonal to it.
 // (In double the case cannot arise: the squared norm, accumulated in double, underflows to 0 long
 // before 1/norm overflows, and the column is then a zero column.)
@@ -627,7 +627,7 @@ TEST(LowrankProducts, RejectsAnErrorBufferOfAnotherShape) {
 
 // A device copy of a host vector, freed on scope exit. The copy is queued on `stream`, the stream
 // the kernels under test then run on: a pageable cudaMemcpy on the legacy stream followed by a
-// kernel on a non-blocking stream is not ordered by CUDA's rules (review T1).
+// kernel on a non-blocking stream is not ordered by CUDA's rules.
 template <typename T>
 struct DeviceVector {
   DeviceVector(const std::vector<T>& host, cudaStream_t stream) : size(host.size()) {
@@ -734,7 +734,7 @@ TEST_P(OrthogonalizeCuda, MatchesTorchReferenceAndCpu) {
   }
 }
 
-// Review finding F1: a few tall matrices, each over several blocks joined by grid barriers.
+// A few tall matrices, each over several blocks joined by grid barriers.
 TEST_P(OrthogonalizeCuda, TallMatchesTorchReferenceAndCpu) {
   DDPX_SKIP_WITHOUT_GPU();
   if (GetParam().dtype == at::kFloat) {
@@ -780,8 +780,9 @@ TEST_P(OrthogonalizeCuda, ZeroColumnsBecomeZeros) {
 INSTANTIATE_TEST_SUITE_P(Kernels, OrthogonalizeCuda, ::testing::ValuesIn(kOrthoCases),
                          ortho_case_name);
 
-// B3 on the GPU: the denormal column of TinyColumnStaysFiniteAndUnitNorm, through the CUDA kernel
-// (nvcc keeps float denormals unless built with -ftz=true), and the same values as the CPU's.
+// The same on the GPU: the denormal column of TinyColumnStaysFiniteAndUnitNorm, through the CUDA
+// kernel (nvcc keeps float denormals unless built with -ftz=true), and the same values as the
+// CPU's.
 TEST(OrthogonalizeCudaEpsilon, TinyColumnStaysFiniteAndUnitNorm) {
   DDPX_SKIP_WITHOUT_GPU();
   Pack<float> p = make_pack<float>({{4, 2}}, 5);

@@ -951,10 +951,10 @@ TEST(PowerSGDErrors, StateOfAnotherModelIsRejected) {
   }
 }
 
-// Issue 10, item 5: memories used to be keyed by raw TensorImpl addresses held without a
-// reference. Once a model is freed, a new model's parameters can take the same addresses, and
-// the old model's error feedback and Q factors were then silently applied to them. A state whose
-// model is gone must refuse a new model as it refuses any other one.
+// Memories keyed by raw TensorImpl addresses held without a reference would be wrong: once a
+// model is freed, a new model's parameters can take the same addresses, and the old model's
+// error feedback and Q factors would then be silently applied to them. A state whose model is
+// gone must refuse a new model as it refuses any other one.
 TEST(PowerSGDErrors, ParametersAtAFreedModelsAddressesAreANewModel) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];
   for (bool batched : {false, true}) {
@@ -972,8 +972,8 @@ TEST(PowerSGDErrors, ParametersAtAFreedModelsAddressesAreANewModel) {
       for (const auto& p : model_a) old_addresses.insert(p.unsafeGetTensorImpl());
     }  // model A is freed here
     // Tensors of A's shapes: the allocator hands freed blocks out again, so one may land on an
-    // address of A's (before the fix, the first one did). Any that does must be refused. (With
-    // the fix, the state pins the addresses it keys, so none lands there.)
+    // address of A's (without pinning, the first one does). Any that does must be refused. (The
+    // state pins the addresses it keys, so none lands there.)
     std::vector<at::Tensor> candidates;
     int reused = 0;
     for (int i = 0; i < 4096; ++i) {
@@ -991,10 +991,10 @@ TEST(PowerSGDErrors, ParametersAtAFreedModelsAddressesAreANewModel) {
   }
 }
 
-// Issue 10, item 2: the options are settable mid-run, as torch's attributes are, and must apply
-// at the next step. The cached bucket layouts used to be reused whatever the options: a new rank
-// or min_compression_rate kept the old layout's values, and turning use_error_feedback on made
-// every later step fail with a buffer mismatch.
+// The options are settable mid-run, as torch's attributes are, and must apply at the next step:
+// a cached bucket layout is rebuilt when they change (reused as it was, a new rank or
+// min_compression_rate would keep the old layout's values, and turning use_error_feedback on
+// would make every later step fail with a buffer mismatch).
 TEST(PowerSGDOptionsMidRun, ApplyAtTheNextStep) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];
   const Shapes shapes = {{40, 30}, {30}, {20, 25}};
@@ -1083,7 +1083,7 @@ TEST(PowerSGDOptionsMidRun, ErrorFeedbackTurnedOnAndOff) {
   }
 }
 
-// Issue 10: after a step with a NaN gradient, the memories (error feedback, warm-start Q) hold
+// After a step with a NaN gradient, the memories (error feedback, warm-start Q) hold
 // NaN and every later step's result is NaN, as with torch's hook; clear_memories() is the way
 // out: the next step is finite again.
 TEST(PowerSGDNonFinite, ClearMemoriesRecoversFromANaNStep) {
@@ -1131,7 +1131,7 @@ TEST(PowerSGDNonFinite, ClearMemoriesRecoversFromANaNStep) {
   }
 }
 
-// The config record prints booleans as torch's does (True/False), not 1/0 (issue 10).
+// The config record prints booleans as torch's does (True/False), not 1/0.
 TEST(PowerSGDState, ConfigRecordLikeTorchs) {
   auto lines = std::make_shared<std::vector<std::string>>();
   PowerSGDOptions o = options(1, 2.0, 2);
@@ -1172,9 +1172,9 @@ TEST(PowerSGDErrors, CheckpointMisuseIsRejected) {
               HasSubstr("not a ddpx PowerSGDState checkpoint"));
 }
 
-// Issue 10, item 3: a checkpoint whose error memory does not have its parameter's size (a corrupt
-// checkpoint, or one saved for a model with other shapes) used to be accepted silently and its
-// error feedback dropped. Q memories may legitimately be dropped (the rank changed); an error
+// A checkpoint whose error memory does not have its parameter's size (a corrupt checkpoint, or
+// one saved for a model with other shapes) must not be accepted silently with its error feedback
+// dropped. Q memories may legitimately be dropped (the rank changed); an error
 // memory always has its parameter's size. Strict by default: the first step raises, naming the
 // parameter and both sizes; load_state_dict(d, /*strict=*/false) keeps the old lenient load.
 TEST(PowerSGDErrors, CheckpointForOtherShapesIsRejectedUnlessLenient) {
@@ -1247,7 +1247,7 @@ TEST(PowerSGDErrors, CheckpointOfAnotherRankIsRejectedUnlessResharding) {
   EXPECT_NO_THROW(make_state(pg, PowerSGDOptions{})->load_state_dict(older));
 }
 
-// Wrong value types in a checkpoint used to hit an internal assert ("please report a bug to
+// Wrong value types in a checkpoint must not reach an internal assert ("please report a bug to
 // PyTorch"): a TypeError naming the key instead.
 TEST(PowerSGDErrors, CheckpointValuesOfTheWrongTypeNameTheKey) {
   const auto& pg = ddpx_test::shared_gloo_world(1)[0];

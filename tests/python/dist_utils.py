@@ -116,8 +116,8 @@ def _context():
             # Modules imported once in the server and inherited by every rank. A module that
             # fails to import is skipped by the server, so listing ddpx here is harmless, and so
             # is torch._dynamo on torch 1.13, which has none. torch 2.x's DDP imports
-            # torch._dynamo (~300 modules) in its constructor: 1.3 s of every rank that builds a
-            # DDP model (torch 2.15, 2 cores), 3 ms once it is preloaded.
+            # torch._dynamo (~300 modules) in its constructor: most of the start-up of every
+            # rank that builds a DDP model, unless it is preloaded here.
             _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel",
                                          "torch._dynamo", "ddpx"])
     return _ctx

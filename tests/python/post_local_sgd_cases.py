@@ -465,9 +465,9 @@ def average_direct(rank: int, world_size: int) -> Dict[str, Any]:
     ddpx.model_averaging.average_parameters([view], None, bucket_cap_mb=tiny_mb)
     out["noncontig"] = (view.clone(), ref, base.data_ptr() == view.data_ptr())
 
-    # A 2M-element parameter listed twice (issue 10, item 1: ddpx used to divide it while the
-    # other copy's allreduce was in flight, values off by up to 2e5x the mean). Torch's averager
-    # averages it correctly: so must ddpx's, through the averager and average_parameters.
+    # A 2M-element parameter listed twice (dividing it while the other copy's allreduce is in
+    # flight puts values far off the mean). Torch's averager averages it correctly: so must
+    # ddpx's, through the averager and average_parameters.
     big = torch.randn(2_000_000, generator=torch.Generator().manual_seed(100 + rank))
     ref = nn.Parameter(big.clone())
     ref.grad = torch.zeros_like(ref)
@@ -482,7 +482,7 @@ def average_direct(rank: int, world_size: int) -> Dict[str, Any]:
     ddpx.model_averaging.average_parameters([view, view[10:1010], view], None)
     out["duplicate"] = {"torch": ref.detach().clone(), "averager": twice.detach().clone(),
                         "views": view}
-    # period / warmup_steps changed mid-run (issue 10): the same schedule as torch's averager.
+    # period / warmup_steps changed mid-run: the same schedule as torch's averager.
     schedule = {}
     for impl, make in (("torch", tavg.PeriodicModelAverager),
                        ("ddpx", ddpx.model_averaging.PeriodicModelAverager)):
@@ -503,7 +503,7 @@ def average_direct(rank: int, world_size: int) -> Dict[str, Any]:
         schedule[impl] = steps
     out["schedule"] = schedule
 
-    # Ranks passing different parameters (issue 10, item 4; Gloo used to abort the process): a
+    # Ranks passing different parameters (Gloo would abort the process if they reached it): a
     # ValueError on every rank, and the group stays usable (the calls below still run).
     out["mismatch"] = catch(
         lambda: ddpx.model_averaging.average_parameters([torch.ones(10 + rank)], None))

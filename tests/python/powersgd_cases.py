@@ -575,7 +575,7 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
         out[f"reuse_{mode}_first_model_after"] = catch(lambda: backward(a, 3))
         out[f"reuse_{mode}_iter"] = state.iter
 
-    # Checkpoints (issue 10, item 3). A value of the wrong type: a TypeError naming the key, not
+    # Checkpoints. A value of the wrong type: a TypeError naming the key, not
     # an internal assert that blames PyTorch.
     good = P(None, start_powerSGD_iter=2).state_dict()
     for key, value in (("iter", "5"), ("matrix_approximation_rank", 1.5), ("rng", 0),
@@ -610,7 +610,7 @@ def rank_errors(rank: int, world_size: int) -> Dict[str, Any]:
     out["after_clear"] = catch(lambda: backward(ddp, 3))
     out["after_clear_errors"] = [bool(torch.isfinite(t).all()) for t in st.error_dict.values()]
 
-    # torch's log records (issue 10): the config line at __init__ with the values as given
+    # torch's log records: the config line at __init__ with the values as given
     # (booleans True/False, 2.0 as 2.0), the NOTE lines of a pickle round trip, and no second
     # config line on unpickling; the unpickled state's process_group is the default group.
     def records(logger_name, make):

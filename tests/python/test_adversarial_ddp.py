@@ -1,4 +1,4 @@
-"""Adversarial suite, part "every DDP option with every hook" (issue 10): each DDP option a user
+"""Adversarial suite, part "every DDP option with every hook": each DDP option a user
 can set, with each hook of adversarial_cases.HOOKS, torch's hook against ddpx's (drop-in and
 native), 5 SGD steps from a fresh model per configuration (adversarial_cases.rank_options: one
 launch runs many options, each configuration in a group built afresh after a failure).

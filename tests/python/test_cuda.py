@@ -122,7 +122,7 @@ def test_gloo_on_cuda_tensors():
         assert not torch.equal(res[0]["ddpx_noop_native"][it], res[1]["ddpx_noop_native"][it])
 
 
-# ---- the chunked gather on CUDA (review finding B2) -------------------------------------------
+# ---- the chunked gather on CUDA ---------------------------------------------------------------
 
 def rank_big_bucket(rank: int, world_size: int):
     """One DDP bucket of 2.4M fp32 gradients (above the 2^21-element chunking threshold) on CUDA
@@ -179,7 +179,7 @@ def test_cuda_orthogonalize_matches_cpu_up_to_rank_32(dtype, tall):
     """The CUDA kernel against the CPU kernel (same algorithm, other summation order) and
     orthonormal, at ranks 1 to 32 in one launch, with a cudaMemcpyAsync-free check: the result
     is read back through torch on the current stream. Tall: a few matrices of 1025-4096 rows,
-    which the CUDA kernel spreads over several blocks each (review finding F1)."""
+    which the CUDA kernel spreads over several blocks each."""
     import test_kernels as tk
     shapes = tk.GS_TALL_SHAPES if tall else tk.GS_SHAPES
     _, flat = tk.gs_inputs(dtype, seed=3, shapes=shapes)

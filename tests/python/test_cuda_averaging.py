@@ -105,8 +105,8 @@ def _queue_gpu_work(seconds: float) -> None:
 
 
 def rank_agreement_no_drain(rank: int, world_size: int):
-    """Review finding H1: the agreement before averaging's collectives must not wait for the work
-    queued on the current stream (it used to upload and read back through it). With 1 s queued,
+    """The agreement before averaging's collectives must not wait for the work queued on the
+    current stream (as an upload and read-back through that stream would). With 1 s queued,
     the agreement on CUDA tensors returns long before, on a side stream ("device", as for NCCL)
     and on the host ("auto" for a Gloo group)."""
     import time

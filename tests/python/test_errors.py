@@ -58,14 +58,14 @@ def rank_errors(rank: int, world_size: int):
         lambda: ddpx.register_comm_hook(ddp, None, ddpx.hooks.allreduce_hook))
     _backward(ddp, rank)
     out["grads_after_refusals"] = dc.flat_grad(ddp)
-    # DDP's logging data names the hook as the drop-in path (and torch) name it (issue 10).
+    # DDP's logging data names the hook as the drop-in path (and torch) name it.
     out["logged_name_native"] = ddp._get_ddp_logging_data().get("comm_hook")
     dropin = dc.make_ddp(dc.make_model(), "torch_none")
     dropin.register_comm_hook(None, ddpx.hooks.allreduce_hook)
     out["logged_name_dropin"] = dropin._get_ddp_logging_data().get("comm_hook")
 
     # A group this rank is not a member of (torch hands such ranks GroupMember.NON_GROUP_MEMBER):
-    # the error says so (issue 10; it used to say "got object" / "got int").
+    # the error says so (not a bare "got object" / "got int").
     only_rank0 = dist.new_group(ranks=[0])
     out["non_member_group"] = catch(lambda: ddpx.register_comm_hook(
         dc.make_ddp(dc.make_model(), "torch_none"), only_rank0, ddpx.hooks.allreduce_hook))
@@ -99,7 +99,7 @@ def rank_errors(rank: int, world_size: int):
         out[f"sparse_{mode}_backward"] = catch(loss.backward)
         dist.barrier()
 
-    # Sparse buckets where torch averages them (issue 10): allreduce_hook, post_localSGD_hook
+    # Sparse buckets where torch averages them: allreduce_hook, post_localSGD_hook
     # and powerSGD_hook before start_powerSGD_iter give torch's allreduce_hook's gradient;
     # PowerSGD once compressing raises a clear error.
     def sparse_grad(register, steps=1):

@@ -1,4 +1,4 @@
-"""Fidelity audit (issue 10): ddpx's public surface against torch's, read from the installed torch.
+"""Fidelity audit: ddpx's public surface against torch's, read from the installed torch.
 
 For every torch class and function ddpx replaces, torch's public surface is enumerated at test
 time (module members, class members, instance attributes from ``vars()`` / ``__slots__``,

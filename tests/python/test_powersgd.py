@@ -161,7 +161,7 @@ def test_keys_follow_parameter_order():
             assert res["sizes"][1] == ([2442, 9248, 152] if fb == pc.BUCKET_BYTES else [numel])
             assert res["q_sizes"] == expected_q_sizes(
                 dict(matrix_approximation_rank=1, min_compression_rate=0.5))
-            # torch's p_memory_dict, per parameter (issue 10: torch's state has it).
+            # torch's p_memory_dict, per parameter (torch's state has it).
             assert res["p_sizes"] == expected_q_sizes(
                 dict(matrix_approximation_rank=1, min_compression_rate=0.5), factor="p")
 
@@ -642,11 +642,11 @@ def test_cuda_gloo_two_ranks_matches_torch():
 @pytest.mark.parametrize("backend,world_size", [("nccl", 1), ("gloo", 2)])
 @pytest.mark.parametrize("buckets", ["several", "one"])
 def test_cuda_batch_same_shape_matches_torch(backend, world_size, buckets):
-    """batch_tensors_with_same_shape on CUDA (review finding B1): the same-shaped matrices of a
-    bucket are stacked, projected as one batch on the autograd stream and reconstructed in the
-    round-two callback on another stream. The stacks were per-step temporaries, freed while that
-    stream could still use them (and handed to the next bucket by the caching allocator); they
-    live in the bucket layout now. With several buckets in flight and with one bucket holding
+    """batch_tensors_with_same_shape on CUDA: the same-shaped matrices of a bucket are stacked,
+    projected as one batch on the autograd stream and reconstructed in the round-two callback on
+    another stream. The stacks live in the bucket layout: as per-step temporaries they could be
+    freed while that stream still used them (and handed to the next bucket by the caching
+    allocator). With several buckets in flight and with one bucket holding
     every same-shaped matrix, ddpx must match torch's hook as the CPU tests do."""
     cfgs = [_cfg("torch", "r2_batch"), _cfg("ddpx", "r2_batch"),
             _cfg("ddpx", "r2_batch", mode="native")]

@@ -167,7 +167,7 @@ inline bool has_backend_for(const c10d::ProcessGroup& pg, c10::DeviceType type) 
 
 // Name of the backend `pg` runs collectives on `type` tensors with: in torch 2.x the one mapped to
 // that device type, which in a group of several (init_process_group("cpu:gloo,cuda:nccl")) need
-// not be the default (review finding P4); the default when none is mapped; in 1.13 the group's.
+// not be the default; the default when none is mapped; in 1.13 the group's.
 inline std::string backend_name(const c10d::ProcessGroup& pg, c10::DeviceType type) {
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
   if (auto backend = backend_for(pg, type)) return backend->getBackendName();
