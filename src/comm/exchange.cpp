@@ -23,8 +23,8 @@ namespace {
 // Reuses CPU staging buffers across calls, so that a step does not allocate (and fault in)
 // world_size x bucket bytes per bucket. Bounded; CUDA tensors come from torch's caching
 // allocator. (What makes the exchange fast is the all-to-all itself: Gloo's allgather copies
-// through a flat buffer of its own; benchmarks/bench_collectives.py, 2 x 13 MB: all-to-all
-// 13-14 ms, allgather 25-33 ms.)
+// through a flat buffer of its own, which the all-to-all avoids; benchmarks/bench_collectives.py
+// times the two.)
 class StagingPool {
  public:
   static StagingPool& instance() {
