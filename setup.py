@@ -50,7 +50,8 @@ class CMakeBuild(build_ext):
         env = dict(os.environ, DDPX_PYTHON=sys.executable)
         subprocess.check_call(cfg, env=env)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        subprocess.check_call(["cmake", "--build", build_dir, "--target", "_C", "-j", jobs], env=env)
+        subprocess.check_call(["cmake", "--build", build_dir, "--target", "_C", "-j", jobs],
+                              env=env)
         pkg_dir = os.path.join(build_dir, "python", "ddpx")
         built = [f for f in os.listdir(pkg_dir) if f.startswith("_C") and f.endswith(".so")]
         if len(built) != 1:

@@ -434,7 +434,7 @@ def main(argv=None) -> int:
             ddpx.model_averaging  # noqa: B018
         except (ImportError, AttributeError) as exc:
             raise SystemExit(f"cannot use ddpx.model_averaging ({exc}); --torch-only runs "
-                             "torch's configurations alone")
+                             "torch's configurations alone") from None
     backend = args.backend or ("nccl" if cuda else "gloo")
     world = bc.world_of(backend, args, cuda)
     # Read by glibc at start-up: the spawned ranks inherit it.

@@ -102,7 +102,8 @@ def worker(rank, args, world, port, out_path):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--sizes", default="1,6.5,8", help="Mi elements per rank (6.5M = a 25 MB bucket)")
+    p.add_argument("--sizes", default="1,6.5,8",
+                   help="Mi elements per rank (6.5M = a 25 MB bucket)")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", default="", help="write the raw results (JSON) to this file; "
                    "default: none")

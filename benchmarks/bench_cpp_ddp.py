@@ -11,8 +11,9 @@ A "local" row trains the module alone (no DDP, no communication) on both sides: 
 the language around the same ATen work. A "join" row (not in the default list) times uneven
 inputs: rank 0 stops after half the timed steps and joins (Python's ``Join([ddp])``, C++'s
 ``ddp.join(loop)``), and the other ranks' steps of the second half, which the joined rank
-shadows, are timed (no barrier there). Both sides use the same C++ hook objects (the Python side registers ddpx's hooks natively with
-``ddpx.register_comm_hook``; "allreduce" is DDP's default), so what differs is the Python around
+shadows, are timed (no barrier there). Both sides use the same C++ hook objects (the Python
+side registers ddpx's hooks natively with ``ddpx.register_comm_hook``; "allreduce" is DDP's
+default), so what differs is the Python around
 them: DDP.forward's Python code, nn.Module.__call__, the optimizer's Python loop.
 
 The two sides cannot share a process (one is a C++ program): each round launches the Python job
@@ -182,7 +183,8 @@ def main() -> int:
     print("|---|---|---:|---:|---:|---|---|---:|")
     for model in args.models.split(","):
         for hook in args.hooks.split(","):
-            py = {k: med("python", model, hook, k) for k in ("total", "forward", "backward", "step")}
+            py = {k: med("python", model, hook, k)
+                  for k in ("total", "forward", "backward", "step")}
             cc = {k: med("cpp", model, hook, k) for k in ("total", "forward", "backward", "step")}
             print(f"| {model} | {hook} | {py['total']:.3f} | {cc['total']:.3f} | "
                   f"{py['total'] / cc['total']:.2f}x | "

@@ -156,9 +156,10 @@ class _NonScriptedAdam(torch.optim.Adam):
 
 
 def _worker(rank, world, init_file, args, out_file):
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
     import ddpx  # noqa: F401  (registers ddpx's operator on every worker)
     from ddpx.optim import DistributedOptimizer
-    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
     torch.set_num_threads(1)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", rpc_timeout=120)

@@ -8,9 +8,10 @@
   RMSprop torch.optim.RMSprop(momentum=0.9, centered=True)  vs  ddpx._C.FunctionalRMSprop(same)
 
 torch runs twice: its default implementation (foreach=None: the single-tensor loop on CPU) and
-foreach=True. One step of --mparams Mi fp32 parameters (fractions allowed) split into --tensors tensors. Each
-optimizer first takes one step (so state exists), then the variants run interleaved step by
-step, --reps times; reported: median wall time per step and median CPU time, and torch/ddpx.
+foreach=True. One step of --mparams Mi fp32 parameters (fractions allowed) split into --tensors
+tensors. Each optimizer first takes one step (so state exists), then the variants run
+interleaved step by step, --reps times; reported: median wall time per step and median CPU time,
+and torch/ddpx.
 verify(): after the timed steps (same gradients, same number of steps), ddpx's parameters equal
 torch's default implementation's within 1e-6 relative.
 

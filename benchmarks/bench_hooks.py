@@ -41,8 +41,11 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import (debugging_hooks, default_hooks,
-                                                        quantization_hooks)
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    debugging_hooks,
+    default_hooks,
+    quantization_hooks,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bench_common as bc
@@ -238,7 +241,7 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
     sync = bc.sync_of(device)
     checks = {} if args.no_verify else verify(ddps, base, x, y, world)
 
-    for name, ddp in ddps.items():  # warm-up (the verify step was the first)
+    for ddp in ddps.values():  # warm-up (the verify step was the first)
         dist.barrier()
         for _ in range(args.warmup):
             step(ddp, x, y)
@@ -327,7 +330,8 @@ def print_report(run: dict) -> None:
         print("\ntarget: 16-bit ddpx hook overhead <= fp32 allreduce overhead (paired per round: "
               "median over rounds of the step-time difference)")
         for t in run["targets"]:
-            print(f"  [{'met' if t['met'] else 'NOT met'}] {t['ddpx']} {t['ddpx_overhead_ms']:.1f} ms "
+            print(f"  [{'met' if t['met'] else 'NOT met'}] {t['ddpx']} "
+                  f"{t['ddpx_overhead_ms']:.1f} ms "
                   f"vs {t['fp32_ref']} {t['fp32_overhead_ms']:.1f} ms: difference "
                   f"{t['paired_diff_ms']:+.1f} ms/step")
     sys.stdout.flush()

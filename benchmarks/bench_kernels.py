@@ -48,7 +48,7 @@ def timer_cpu(fns: Dict[str, Callable[[], object]], reps: int, inner: int) -> Di
     """
     times: Dict[str, List[float]] = {k: [] for k in fns}
     cpu: Dict[str, List[float]] = {k: [] for k in fns}
-    for k, fn in fns.items():  # warm-up
+    for fn in fns.values():  # warm-up
         fn()
     for _ in range(reps):
         for k, fn in fns.items():
@@ -65,7 +65,7 @@ def timer_cpu(fns: Dict[str, Callable[[], object]], reps: int, inner: int) -> Di
 
 def timer_cuda(fns: Dict[str, Callable[[], object]], reps: int, inner: int) -> Dict[str, float]:
     times: Dict[str, List[float]] = {k: [] for k in fns}
-    for k, fn in fns.items():
+    for fn in fns.values():
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
@@ -144,8 +144,9 @@ def run(args) -> dict:
                     row["torch_frac_copy"] = row["torch_gbs"] / row["copy_gbs"]
                 rows.append(row)
                 print_row(row, cuda)
-            del g16, h, out32
-        del x
+            del out32
+            g16 = h = None  # frees them (the lambdas above read them by name)
+        x = None
     if "orthogonalize" in args.ops:
         rows.extend(run_orthogonalize(args, dev, timer, inner))
     info = {
@@ -222,7 +223,8 @@ def print_row(r: dict, cuda: bool) -> None:
         print(h)
         print(s)
         _header_done = True
-    line = (f"| {r['op']} | {r['dtype']} | {r['mi']:g}M | {r['torch_ms']:.3f} | {r['ddpx_ms']:.3f} | "
+    line = (f"| {r['op']} | {r['dtype']} | {r['mi']:g}M | {r['torch_ms']:.3f} | "
+            f"{r['ddpx_ms']:.3f} | "
             f"{r['torch_gbs']:.1f} | {r['ddpx_gbs']:.1f} | {r['ratio']:.2f} |")
     if cuda:
         line += f" {r['copy_gbs']:.0f} | {r['ddpx_frac_copy']:.2f} | {r['torch_frac_copy']:.2f} |"

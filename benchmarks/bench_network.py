@@ -37,7 +37,8 @@ RATES = ["500mbit", "1gbit", "2500mbit", "10gbit", "unlimited"]
 # The hooks in table order; "floor" is the compute floor (noop: no communication at all).
 HOOKS = ["noop", "allreduce", "torch_fp16", "ddpx_fp16", "ddpx_fp16_dropin", "ddpx_bf16",
          "torch_powersgd4_1bucket", "ddpx_powersgd4", "ddpx_powersgd4_dropin", "ddpx_powersgd1",
-         "ddpx_batched_powersgd4", "torch_powersgd4"]
+         "ddpx_batched_powersgd4", "ddpx_q8", "ddpx_q4", "ddpx_q1", "torch_qchannel",
+         "torch_powersgd4"]
 LABELS = {
     "noop": "noop (compute floor)",
     "allreduce": "DDP default allreduce",
@@ -50,10 +51,14 @@ LABELS = {
     "ddpx_powersgd4_dropin": "ddpx powerSGD_hook r=4 (drop-in)",
     "ddpx_powersgd1": "ddpx powerSGD_hook r=1 (native)",
     "ddpx_batched_powersgd4": "ddpx batched_powerSGD_hook r=4 (native)",
+    "ddpx_q8": "ddpx quantized_hook 8 bits (native)",
+    "ddpx_q4": "ddpx quantized_hook 4 bits (native)",
+    "ddpx_q1": "ddpx quantized_hook 1 bit (native)",
+    "torch_qchannel": "torch quantization_perchannel_hook",
     "torch_powersgd4": "torch powerSGD_hook r=4, DDP's buckets",
 }
 # Run alone, in a job of its own: it may take the job down.
-ALONE = {"torch_powersgd4"}
+ALONE = {"torch_powersgd4", "torch_qchannel"}
 PSGD_START = 2  # start_powerSGD_iter: steps 0 and 1 allreduce, the warm-up covers them
 
 
@@ -124,6 +129,13 @@ def register(hook: str, model, psgd_start: int = PSGD_START):
         ddp.register_comm_hook(None, H.fp16_compress_hook)
     elif hook == "ddpx_bf16":
         ddpx.register_comm_hook(ddp, None, H.bf16_compress_hook)
+    elif hook.startswith("ddpx_q"):
+        st = H.QuantizedState(process_group=None, bits=int(hook[len("ddpx_q"):]),
+                              start_iter=psgd_start)
+        ddpx.register_comm_hook(ddp, st, H.quantized_hook)
+    elif hook == "torch_qchannel":
+        from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as tq
+        ddp.register_comm_hook(None, tq.quantization_perchannel_hook)
     elif hook.startswith("torch_powersgd4"):
         st = tp.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                               start_powerSGD_iter=psgd_start, random_seed=0)
@@ -182,7 +194,7 @@ def worker(args) -> int:
                 times.append((time.perf_counter() - t0) * 1e3)
             sent = (tx_bytes(ifname) - t_sent) / args.steps
             row.update(status="ok", ms=statistics.median(times), ms_all=times, sent=sent)
-            del ddp, opt
+            ddp = opt = None  # frees them (one_step above reads them by name)
         except Exception as exc:  # noqa: BLE001 - a hook's failure is its row's result
             row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300])
         gathered: List[Any] = [None] * world

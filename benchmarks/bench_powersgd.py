@@ -62,7 +62,8 @@ Usage (CPU, 2 Gloo ranks, 8 x Linear(1024,1024)+ReLU, batch 4, the default):
 GPU (NCCL, world size 1, 16 x Linear(4096,4096)+GELU, batch 512):
     PYTHONPATH=build-gpu/python python3 benchmarks/bench_powersgd.py --device cuda
 Race count only (no timing):
-    PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_powersgd.py --race-trials 10 --race-only
+    PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_powersgd.py --race-trials 10 \
+        --race-only
 Summary over repeated runs (median [min, max]):
     python3 benchmarks/bench_powersgd.py --summarize benchmarks/results/cpu/powersgd_run*.json
 """
@@ -269,7 +270,7 @@ def worker(rank: int, args, backend: str, world: int, port: int, out_path: str) 
     first: Dict[str, torch.Tensor] = {}
     for name, ddp in ddps.items():
         dist.barrier()
-        for i in range(args.start_iter + 1):
+        for _i in range(args.start_iter + 1):
             ddp.zero_grad(set_to_none=True)
             step(ddp, x, y)
         sync()
@@ -455,7 +456,8 @@ def analyse(run: dict) -> dict:
     if info["device"].startswith("cuda"):
         for name, r in res.items():
             if name.startswith("ddpx_psgd_") and r["path"] == "native" and r["rank"] <= 4:
-                targets.append({"what": f"{name} overhead <= 2 ms", "value": r["overhead_paired_ms"],
+                targets.append({"what": f"{name} overhead <= 2 ms",
+                                "value": r["overhead_paired_ms"],
                                 "met": r["overhead_paired_ms"] <= 2.0})
     else:
         for e in ratios:

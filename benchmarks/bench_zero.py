@@ -84,7 +84,6 @@ the raw results (JSON) only with --json:
     .venv/bin/python benchmarks/bench_zero.py --impls torch,torch --quick    # no ddpx needed
 """
 import argparse
-import copy
 import datetime
 import gc
 import os
@@ -805,7 +804,7 @@ def main(argv=None) -> int:
             ddpx_path = os.path.dirname(ddpx.__file__)
         except (ImportError, AttributeError) as exc:
             raise SystemExit(f"cannot use ddpx.optim.ZeroRedundancyOptimizer ({exc}); "
-                             "--impls torch,torch runs torch's class in both slots")
+                             "--impls torch,torch runs torch's class in both slots") from None
     backend, world = "gloo", args.world_size
     t0 = time.perf_counter()
     results: dict = {"steps": {}, "verify": {}}

@@ -112,8 +112,9 @@ def state_bytes(optim) -> int:
 
 
 def state_section(args, rank, world) -> dict:
-    import ddpx
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    import ddpx
     torch.manual_seed(0)
     base = Transformerish(args.vocab, args.dim, args.blocks)
     idx = torch.randint(0, args.vocab, (2, 16), generator=torch.Generator().manual_seed(rank))
@@ -143,8 +144,9 @@ def build_mlp(layers, width):
 
 
 def iteration_section(args, rank, world) -> dict:
-    import ddpx
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    import ddpx
     base = build_mlp(args.layers, args.width)
     n = sum(p.numel() for p in base.parameters())
     gen = torch.Generator().manual_seed(100 + rank)

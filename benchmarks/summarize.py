@@ -38,7 +38,8 @@ def hooks(paths):
     for key, configs in by_run.items():
         i = infos[key]
         n = len(next(iter(configs.values())))
-        print(f"\n#### {key[0]} x {key[1]} ranks on {key[2]}: {i['model']}, batch {i['batch']}/rank, "
+        print(f"\n#### {key[0]} x {key[1]} ranks on {key[2]}: {i['model']}, "
+              f"batch {i['batch']}/rank, "
               f"{n} runs (median [min, max] over runs of each run's median step)\n")
         print("| config | hook | path | step ms | overhead vs ddpx noop, paired (ms) "
               "| overhead vs torch noop (ms) |")
@@ -110,7 +111,8 @@ def collectives(paths):
     print("| elements/rank (fp32 MB) | " + " | ".join(cases) + " |")
     print("|---|" + "---:|" * len(cases))
     for mi, mb in sizes:
-        print(f"| {mi:g}M ({mb:.0f}) | " + " | ".join(rng(cells[(mi, mb, c)]) for c in cases) + " |")
+        print(f"| {mi:g}M ({mb:.0f}) | "
+              + " | ".join(rng(cells[(mi, mb, c)]) for c in cases) + " |")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"train_digits.py: cannot import ddpx ({exc}). Build it and put it on the path, e.g. "
         "`cmake -S . -B build -G Ninja && cmake --build build` then PYTHONPATH=build/python, "
         "or `pip install --no-build-isolation .`"
-    )
+    ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1163,7 +1163,8 @@ def main(argv=None) -> int:
                 "rank(s) (built with `dist.new_group`, passed to torch's and ddpx's "
                 "PostLocalSGDState alike: the 2 ranks share one machine, so a real intra-node "
                 "group would be the whole world, and torch's subgroup=None and "
-                "new_subgroups() raise ValueError without CUDA, in 1.13 and 2.x) and the parameters averaged "
+                "new_subgroups() raise ValueError without CUDA, in 1.13 and 2.x) and the "
+                "parameters averaged "
                 f"globally every {ls['period']} steps ({ls['averaging_steps']} averagings, the "
                 "last after the last step, so the scored replicas are averaged); optimizer "
                 "PostLocalSGDOptimizer(SGD, PeriodicModelAverager), torch's classes for the "

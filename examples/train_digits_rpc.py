@@ -33,10 +33,9 @@ from torch.distributed.optim import DistributedOptimizer as TorchDistributedOpti
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_digits import load_digits_split, make_mlp  # noqa: E402  (the main job's data, model)
-
 import ddpx  # noqa: E402,F401  (registers ddpx's operator on every worker)
 from ddpx.optim import DistributedOptimizer  # noqa: E402
+from train_digits import load_digits_split, make_mlp  # noqa: E402  (the main job's data, model)
 
 DDP_WORLD = 2  # the DDP job's ranks, whose per-step batches one trainer step takes together
 

@@ -45,7 +45,8 @@ from typing import Dict, List, Optional, Sequence
 IFNAME = "eth0"
 
 
-def _run(argv: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def _run(argv: Sequence[str], check: bool = True,
+         timeout: float = 30.0) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), check=check, timeout=timeout, capture_output=True, text=True)
 
 
@@ -63,7 +64,8 @@ def why_not_available() -> Optional[str]:
         return f"cannot create a network namespace: {getattr(exc, 'stderr', exc)}".strip()
     try:
         steps = [
-            (["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"], "veth"),
+            (["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+             "veth"),
             (["ip", "-n", probe, "link", "add", "br0", "type", "bridge"], "bridge"),
             (["ip", "-n", probe, "link", "set", "pa", "up"], "veth"),
             (["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit",
@@ -307,7 +309,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("check", help="say whether this machine can host a cluster")
     run = sub.add_parser("run", help="run a torchrun job across N nodes")
     run.add_argument("--nodes", type=int, default=2)
-    run.add_argument("--rate", default=None, help="per-link limit, tc's form (1gbit); none: unlimited")
+    run.add_argument("--rate", default=None,
+                     help="per-link limit, tc's form (1gbit); none: unlimited")
     run.add_argument("--nproc-per-node", type=int, default=1)
     run.add_argument("--python", default=sys.executable)
     run.add_argument("--no-python", action="store_true", help="torchrun --no-python")

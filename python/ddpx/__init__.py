@@ -13,14 +13,17 @@ C++ programs: ``ddpx.cmake_prefix_path`` is the folder to put on ``CMAKE_PREFIX_
 Post-local SGD: ``ddpx.hooks.post_localSGD_hook`` with ``ddpx.hooks.PostLocalSGDState``, the model
 averagers of ``ddpx.model_averaging`` and ``ddpx.optim.PostLocalSGDOptimizer``.
 """
-from ._loader import _C  # noqa: F401  (raises a clear ImportError on a torch mismatch)
+# The loader first: it raises a clear ImportError on a torch mismatch, before anything else.
+from ._loader import _C  # noqa: F401
+
+# isort: split
+import os as _os
+
 from . import hooks, model_averaging, optim
+from ._version import __version__
 from .hooks import register_comm_hook
 from .model_averaging import HierarchicalModelAverager, PeriodicModelAverager
 from .optim import PostLocalSGDOptimizer
-from ._version import __version__
-
-import os as _os
 
 #: ``CMAKE_PREFIX_PATH`` for ``find_package(ddpx)``: the installed package holds the C++ library,
 #: headers and CMake package (lib/, include/, lib/cmake/ddpx/), put there by ``pip install``. A

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 
 def major_minor(version: str) -> tuple:
-    """(major, minor) of a torch version string: "2.11.0+cu130" -> (2, 11), "1.13.0a0" -> (1, 13)."""
+    """(major, minor) of a torch version string: "2.11.0+cu130" -> (2, 11), "1.13.0a0" ->
+    (1, 13)."""
     return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
 
 

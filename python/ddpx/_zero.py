@@ -155,8 +155,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """
 
     #: Bytes of small parameters packed per broadcast (a contiguous parameter of 256 KiB or more,
-    #: or a quarter of this if less, travels in its own storage). Read when the exchange is planned (construction,
-    #: add_param_group, a trainability change).
+    #: or a quarter of this if less, travels in its own storage). Read when the exchange is
+    #: planned (construction, add_param_group, a trainability change).
     bucket_cap_bytes: int = _DEFAULT_BUCKET_CAP_BYTES
 
     def __init__(self, params, optimizer_class: Any, process_group: Any = None,

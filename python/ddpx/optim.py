@@ -107,8 +107,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         if "step" in state_dict:
             self.averager.step = state_dict["step"]
         else:
-            warnings.warn("Loaded state dict does not contain a step counter for an averager. "
-                          "Setting step counter to 0.")
+            warnings.warn(  # noqa: B028  (torch's warning, raised as torch raises it)
+                "Loaded state dict does not contain a step counter for an averager. "
+                "Setting step counter to 0.")
             self.averager.step = 0
 
     def step(self, closure: Optional[Callable[[], float]] = None):  # type: ignore[override]

@@ -25,8 +25,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as tp
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tps
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ddpx
 import ddp_cases as dc
+import ddpx
 import torch_compat as tc
 from dist_utils import exit_rank, wait_for_result_of
 
@@ -56,7 +56,8 @@ def _powersgd_state(impl: str, group=None, **kw):
 
 def _post_local_state(impl: str, group=None, subgroup=None):
     cls = ddpx.hooks.PostLocalSGDState if impl == "ddpx" else tpl.PostLocalSGDState
-    return cls(process_group=group, subgroup=subgroup if subgroup is not None else _subgroup_of_one(),
+    return cls(process_group=group,
+               subgroup=subgroup if subgroup is not None else _subgroup_of_one(),
                start_localSGD_iter=START)
 
 
@@ -263,7 +264,8 @@ def _averaging_fault_target(which: str, impl: str, group):
         fn = tu.average_parameters if impl == "torch" else ddpx.model_averaging.average_parameters
         return lambda params: fn(params, group)
     if which == "periodic":
-        cls = ta.PeriodicModelAverager if impl == "torch" else ddpx.model_averaging.PeriodicModelAverager
+        cls = (ta.PeriodicModelAverager if impl == "torch"
+               else ddpx.model_averaging.PeriodicModelAverager)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             avg = cls(period=1, warmup_steps=0, process_group=group)
@@ -272,7 +274,9 @@ def _averaging_fault_target(which: str, impl: str, group):
         import collections
         sizes = collections.OrderedDict([(1, 1), (2, dist.get_world_size())])
         if impl == "torch":
-            from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as th
+            from torch.distributed.algorithms.model_averaging import (
+                hierarchical_model_averager as th,
+            )
             original = dist.new_subgroups
             if not tc.NEW_SUBGROUPS_WITHOUT_CUDA:  # 1.13 builds no subgroups without CUDA
                 dist.new_subgroups = _fault_subgroups
@@ -302,7 +306,8 @@ def rank_averaging_fault(rank: int, world_size: int, which: str, impl: str, faul
     params = list(model.parameters())
     if which == "post_local_optimizer":
         from torch.distributed.algorithms.model_averaging import averagers as ta
-        acls = ta.PeriodicModelAverager if impl == "torch" else ddpx.model_averaging.PeriodicModelAverager
+        acls = (ta.PeriodicModelAverager if impl == "torch"
+                else ddpx.model_averaging.PeriodicModelAverager)
         from torch.distributed.optim import PostLocalSGDOptimizer
         ocls = PostLocalSGDOptimizer if impl == "torch" else ddpx.optim.PostLocalSGDOptimizer
         with warnings.catch_warnings():
@@ -332,7 +337,7 @@ def rank_averaging_fault(rank: int, world_size: int, which: str, impl: str, faul
     exit_rank({"rank": rank, "role": "survivor", "step": step, "elapsed": 0.0, "outcome": None})
 
 
-# ---- non-finite gradients -------------------------------------------------------------------------
+# ---- non-finite gradients ---------------------------------------------------------------------
 
 # The poisoned gradient: an element of the second layer's weight (48 x 64, compressed by
 # PowerSGD at rank 1), at the first compressed step.
@@ -393,7 +398,7 @@ def rank_nonfinite(rank: int, world_size: int, hook: str, kinds: Sequence[str]) 
     return out
 
 
-# ---- values past the fp16 range ---------------------------------------------------------------------
+# ---- values past the fp16 range ---------------------------------------------------------------
 
 # (rank 0's value, the other ranks' value) filling the whole gradient of the poisoned layer.
 OVERFLOW_PAIRS = ((6.0e4, 6.0e4), (7.0e4, 7.0e4), (1.2e5, -1.2e5), (1.2e5, 1.2e5),

@@ -24,8 +24,9 @@ if importlib.util.find_spec("ddpx") is None:
             "pip-install it, or point DDPX_BUILD_PYTHON_DIR at the folder holding ddpx/")
     sys.path.insert(0, _build)
 
-import ddpx  # noqa: E402  (after the path set-up; fails loudly on a broken build)
 import torch  # noqa: E402
+
+import ddpx  # noqa: E402  (after the path set-up; fails loudly on a broken build)
 
 
 def pytest_report_header(config):

@@ -281,4 +281,5 @@ def build_cmake_project(src: str, build: str, prefix: str) -> None:
         cfg += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
     for cmd in (cfg, ["cmake", "--build", str(build), "--parallel", "2"]):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, (
+            f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -31,11 +31,10 @@ from torch.distributed.algorithms.model_averaging import averagers as tavg
 from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as thier
 from torch.distributed.algorithms.model_averaging import utils as tutils
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
-
-import torch_compat as tc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
+import torch_compat as tc
 from dist_utils import catch
 
 # DDP bucket cap: 4 KiB (1024 fp32). The MLP below has 1344 + 4160 + 520 parameters: from the

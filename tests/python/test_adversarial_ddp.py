@@ -197,7 +197,8 @@ def test_option_with_hook(option, hook):
         assert not torch.equal(p0[0]["params"][-1], p0[1]["params"][-1])
 
 
-@pytest.mark.parametrize("option,hook", sorted(TORCH_FAILS), ids=[f"{o}-{h}" for o, h in sorted(TORCH_FAILS)])
+@pytest.mark.parametrize("option,hook", sorted(TORCH_FAILS),
+                         ids=[f"{o}-{h}" for o, h in sorted(TORCH_FAILS)])
 def test_torch_fails_where_ddpx_works(option, hook):
     """torch's hook raises on one rank (recorded as it happens here); ddpx's trains, checked in
     test_option_with_hook against the exact mean's bound."""

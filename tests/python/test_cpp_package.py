@@ -72,7 +72,7 @@ def test_find_package_from_cmake_prefix_path(tmp_path):
     (src / "main.cpp").write_text(PROGRAM)
     build = tmp_path / "build"
     build_cmake_project(src, build, PREFIX)
-    done = subprocess.run([str(build / "uses_ddpx"), str(free_port())], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([str(build / "uses_ddpx"), str(free_port())], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ddpx C++ package: ok" in done.stdout

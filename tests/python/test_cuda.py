@@ -203,6 +203,7 @@ def test_cuda_orthogonalize_refused_cooperative_launch_falls_back():
     machine, e.g. a GPU shared through MPS) falls back to one block per matrix, with a warning:
     the one-block kernel's results, bit for bit, and no error left for the next launch."""
     import warnings
+
     import test_kernels as tk
     shapes = tk.GS_TALL_SHAPES
     _, flat = tk.gs_inputs(torch.float32, seed=5, shapes=shapes)

@@ -31,7 +31,7 @@ def rank_cuda_average(rank: int, world_size: int):
     # The expected mean, on the CPU: every rank's inputs, promoted, divided, summed in rank order.
     inputs = [_tensors(r) for r in range(world_size)]
     expected = []
-    for i, p in enumerate(params):
+    for i, _p in enumerate(params):
         acc = sum(inputs[r][i].cpu().double() / world_size for r in range(world_size))
         expected.append(acc)
     errors = [((p.cpu().double() - e).abs().max().item()) for p, e in zip(params, expected)]

@@ -14,8 +14,8 @@ import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
 import ddpx
-from dist_utils import run_ranks
 from ddpx.optim import DistributedOptimizer
+from dist_utils import run_ranks
 from test_dist_optim import _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not ddpx._C.with_cuda,

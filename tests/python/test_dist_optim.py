@@ -28,10 +28,9 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
-from dist_utils import run_ranks
-
 import ddpx
 from ddpx.optim import DistributedOptimizer
+from dist_utils import run_ranks
 
 RPC_TIMEOUT_S = 60
 
@@ -86,11 +85,10 @@ def _torch_suite_rank(rank, world_size, init_file, names):
         stub.TestCase, stub.ACCEPT = unittest.TestCase, False
         sys.modules["expecttest"] = stub
     import torch.testing._internal.distributed.rpc.dist_optimizer_test as suite
+    from torch.testing._internal.common_utils import TestCase
     from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
         TensorPipeRpcAgentTestFixture,
     )
-
-    from torch.testing._internal.common_utils import TestCase
 
     suite.DistributedOptimizer = DistributedOptimizer  # the class under test
 

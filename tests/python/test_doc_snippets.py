@@ -13,7 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple
 
 import pytest
 

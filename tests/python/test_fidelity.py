@@ -199,7 +199,7 @@ def check_signature(key: str, torch_fn, ddpx_fn) -> None:
     assert ours[:len(theirs)] == theirs, f"{key}: ddpx {ours} vs torch {theirs}"
     extra = ours[len(theirs):]
     allowed = EXTRA_PARAMS.get(key, {})
-    for name, kind, default in extra:
+    for name, _kind, default in extra:
         assert name in allowed, f"{key}: ddpx parameter {name!r} is not in torch's signature"
         assert default != "<required>", f"{key}: extra parameter {name!r} needs a default"
 
@@ -299,7 +299,8 @@ def describe(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return (type(value).__name__, value)
     if isinstance(value, dist.ProcessGroup):
-        return ("ProcessGroup", "WORLD" if value is dist.group.WORLD else dist.get_world_size(value))
+        return ("ProcessGroup",
+                "WORLD" if value is dist.group.WORLD else dist.get_world_size(value))
     if isinstance(value, dict):
         return (type(value).__name__, [(describe(k), describe(v)) for k, v in value.items()])
     if type(value).__name__ == "RandomState":

@@ -72,7 +72,8 @@ SGD_CASES = [
 
 @pytest.mark.parametrize("impl", ["single"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kw", SGD_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize("kw", SGD_CASES,
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_sgd_parity(kw, dtype, impl):
     err, opt, ours, _, _ = run_parity(
         torch.optim.SGD, lambda ps: C.FunctionalSGD(ps, **kw), impl, dtype, **kw)
@@ -94,7 +95,8 @@ ADAM_CASES = [
 @pytest.mark.parametrize("impl", ["single"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("decoupled", [False, True], ids=["Adam", "AdamW"])
-@pytest.mark.parametrize("kw", ADAM_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize("kw", ADAM_CASES,
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_adam_parity(kw, decoupled, dtype, impl):
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     err, opt, ours, _, _ = run_parity(
@@ -585,7 +587,8 @@ def test_bad_tensors():
     p = torch.zeros(4, 4)
     with pytest.raises(RuntimeError, match=r"grads\[0\] has shape \[4\] but params\[0\] has shape"):
         C.sgd_step([p], [torch.zeros(4)], [None])
-    with pytest.raises(RuntimeError, match=r"grads\[0\] has dtype Double but params\[0\] has dtype"):
+    with pytest.raises(RuntimeError,
+                       match=r"grads\[0\] has dtype Double but params\[0\] has dtype"):
         C.sgd_step([p], [torch.zeros(4, 4, dtype=torch.float64)], [None])
     with pytest.raises(RuntimeError, match=r"grads\[0\] is on meta but params\[0\] is on cpu"):
         C.sgd_step([p], [torch.zeros(4, 4, device="meta")], [None])

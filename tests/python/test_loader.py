@@ -27,7 +27,8 @@ def _import_with_build_info(tmp_path, text: str) -> subprocess.CompletedProcess:
 
 def test_build_info_is_installed_and_matches():
     from ddpx import _build_info
-    assert _build_info.TORCH_VERSION.split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2]
+    built = _build_info.TORCH_VERSION.split(".")[:2]
+    assert built == torch.__version__.split("+")[0].split(".")[:2]
     assert (_build_info.TORCH_CUDA or None) == torch.version.cuda
     assert _build_info.DDPX_WITH_CUDA == ddpx._C.with_cuda
 

@@ -330,7 +330,7 @@ def test_resume_controls_diverge():
 # ---- PostLocalSGDOptimizer ---------------------------------------------------------------------
 
 def test_optimizer_wrapper_like_torch():
-    for rank, o in enumerate(case(2, "optimizer")):
+    for _rank, o in enumerate(case(2, "optimizer")):
         assert o["isinstance_optimizer"]
         assert o["param_groups_shared"] and o["state_shared"]
         assert o["optim_attr"] and o["averager_attr"]

@@ -228,7 +228,7 @@ def test_16bit_wrapper_close_to_fp32_powersgd(dtype16):
     last 10 steps (measured 2.0e-3 and 1.4e-4). Replicas stay in sync."""
     start = OPTS["r1"]["start_powerSGD_iter"]
     res = train(2)
-    for rank, r in enumerate(res):
+    for _rank, r in enumerate(res):
         w, f, seed = r[f"{dtype16}/r1"], r["dropin/r1"], r["seed1/r1"]
         for s in range(start):
             assert 0 < rel(w["grads"][s], f["grads"][s]) <= 2 * U16[dtype16]

@@ -3,7 +3,6 @@ same group), the world group passed explicitly, and the default group re-initial
 import datetime
 import functools
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -322,7 +322,7 @@ def test_api_facts():
     zero_grad(set_to_none=False) clear every parameter's gradient (owned or not) as torch's do;
     step() without a closure returns None."""
     res = case(2, "api")
-    for rank, out in enumerate(res):
+    for _rank, out in enumerate(res):
         mine, ref = out["impl"], out["ref"]
         assert mine == ref, {k: (mine.get(k), ref[k]) for k in ref if mine.get(k) != ref[k]}
         assert mine["is_optimizer"] and mine["is_joinable"] and mine["optim_is_adam"]

@@ -25,7 +25,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
@@ -100,7 +99,7 @@ def test_balanced_pieces_tile_parameters(world_size):
     last_owner = 0
     for n, ok, row in zip(numels, splittable, pieces):
         assert row[0][0] == 0 and row[-1][1] == n
-        for (b0, e0, o0), (b1, e1, o1) in zip(row, row[1:]):
+        for (_b0, e0, o0), (b1, _e1, o1) in zip(row, row[1:]):
             assert e0 == b1 and b1 % 32 == 0 and o0 < o1  # contiguous, aligned, owners ascend
         if not ok:
             assert len(row) == 1

@@ -17,7 +17,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -15,7 +15,6 @@ for torch's partition and the balanced one (pieces), SGD / Adam (ddpx's fused ke
 RMSprop (its own step), DDP with and without gradient_as_bucket_view, and inside the overlap
 (hook_with_zero_step and its interleaved variant wrapping it). Bad states are refused.
 """
-import copy
 import traceback
 
 import pytest

@@ -23,9 +23,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import SGD, AdamW
 
-from dist_utils import run_ranks
-
 from ddpx.optim import ZeroRedundancyOptimizer
+from dist_utils import run_ranks
 
 # ddpx steps SGD/Adam/AdamW with fused kernels: within 1e-6 relative of torch.optim (bit-exact on
 # torch 1.13), so comparisons against torch.optim that torch makes exact use this tolerance.
@@ -164,7 +163,7 @@ def case_test_constructor(rank, world_size):
         ([], ValueError),
         (torch.randn(1), TypeError),
         (1.2, TypeError),
-        ([{"params": [l.weight for l in m]}, {"params": [l.bias for l in m]}], None),
+        ([{"params": [lin.weight for lin in m]}, {"params": [lin.bias for lin in m]}], None),
         (list(m.parameters()) + [42], TypeError),
         (m.parameters(), None),
         (list(m.parameters()), None),
@@ -172,8 +171,8 @@ def case_test_constructor(rank, world_size):
     for ctor_input, error in ctor_inputs:
         with _Raises(error) if error else nullcontext():
             ZeroRedundancyOptimizer(ctor_input, optimizer_class=SGD, lr=0.01)
-    params = [{"params": [l.weight for l in m], "weight_decay": 0.0},
-              {"params": [l.bias for l in m], "weight_decay": 0.01}]
+    params = [{"params": [lin.weight for lin in m], "weight_decay": 0.0},
+              {"params": [lin.bias for lin in m], "weight_decay": 0.01}]
     o = ZeroRedundancyOptimizer(params, optimizer_class=AdamW, lr=0.01, betas=(0.9, 0.999),
                                 eps=1e-8)
     assert len(o.param_groups) == 2
@@ -284,14 +283,14 @@ def case_test_multiple_param_groups(rank, world_size):
     model3 = copy.deepcopy(model1)
     inputs = [torch.randn(8, 5) for _ in range(3)]
     optim1 = ZeroRedundancyOptimizer(
-        [{"params": [l.weight for l in model1], "weight_decay": 0.0},
-         {"params": [l.bias for l in model1], "weight_decay": WD}],
+        [{"params": [lin.weight for lin in model1], "weight_decay": 0.0},
+         {"params": [lin.bias for lin in model1], "weight_decay": WD}],
         optimizer_class=AdamW, lr=LR)
-    optim2 = ZeroRedundancyOptimizer([l.weight for l in model2], optimizer_class=AdamW, lr=LR,
+    optim2 = ZeroRedundancyOptimizer([lin.weight for lin in model2], optimizer_class=AdamW, lr=LR,
                                      weight_decay=0.0)
-    optim2.add_param_group({"params": [l.bias for l in model2], "weight_decay": WD})
-    optim3 = AdamW([{"params": [l.weight for l in model3], "weight_decay": 0.0},
-                    {"params": [l.bias for l in model3], "weight_decay": WD}], lr=LR)
+    optim2.add_param_group({"params": [lin.bias for lin in model2], "weight_decay": WD})
+    optim3 = AdamW([{"params": [lin.weight for lin in model3], "weight_decay": 0.0},
+                    {"params": [lin.bias for lin in model3], "weight_decay": WD}], lr=LR)
     for inp in inputs:
         for model, optim in ((model1, optim1), (model2, optim2), (model3, optim3)):
             optim.zero_grad()

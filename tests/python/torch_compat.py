@@ -58,7 +58,6 @@ TORCH_BATCHED_POWERSGD_WORKS = _torch_batched_powersgd_works()
 # Whether torch's own bf16 hooks run on Gloo: a fact about torch that the benchmarks need too.
 from ddpx._compat import TORCH_BF16_HOOKS_ON_GLOO  # noqa: E402,F401
 
-
 # torch 1.13's torchrun crashes at launch on Python 3.11 ('NoneType' object has no attribute
 # 'get' in elastic's to_map: 3.11 no longer iterates the zero member of the Std flag enum);
 # `--redirects 1 --tee 1` avoids it. torch 2.x launches plainly.
@@ -85,7 +84,8 @@ def _cpu_half_bmm() -> bool:
     """torch 1.13 has no CPU kernel for bmm in float16 ("bmm" not implemented for 'Half'), so
     torch's PowerSGD under fp16_compress_wrapper fails on CPU there; torch 2.x has one."""
     try:
-        torch.bmm(torch.ones(1, 2, 2, dtype=torch.float16), torch.ones(1, 2, 2, dtype=torch.float16))
+        one = torch.ones(1, 2, 2, dtype=torch.float16)
+        torch.bmm(one, one)
     except RuntimeError:
         return False
     return True

@@ -15,7 +15,7 @@ import ddpx
 
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR, RANK, WORLD_SIZE
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {"env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
            "ddpx": os.path.dirname(ddpx.__file__)}
     torch.manual_seed(0)
@@ -25,7 +25,8 @@ def main(out_dir: str) -> None:
     grads = torch.autograd.grad(torch.nn.functional.mse_loss(base(x), y), list(base.parameters()))
     out["local"] = torch.cat([g.reshape(-1) for g in grads])
     for name, register in (
-            ("allreduce_native", lambda m: ddpx.register_comm_hook(m, None, ddpx.hooks.allreduce_hook)),
+            ("allreduce_native",
+             lambda m: ddpx.register_comm_hook(m, None, ddpx.hooks.allreduce_hook)),
             ("fp16_dropin", lambda m: m.register_comm_hook(None, ddpx.hooks.fp16_compress_hook)),
             ("powersgd_native", lambda m: ddpx.register_comm_hook(
                 m, ddpx.hooks.PowerSGDState(None, matrix_approximation_rank=1,

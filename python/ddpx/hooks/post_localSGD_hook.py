@@ -9,8 +9,14 @@ import torch.distributed as dist
 
 from .._groups import check_optional_group, intra_node_subgroup, resolve_group
 from .._loader import _C
-from ._native import (NativeState, check_int, declare_torch_slots, make_hook, native_property,
-                      process_group_property)
+from ._native import (
+    NativeState,
+    check_int,
+    declare_torch_slots,
+    make_hook,
+    native_property,
+    process_group_property,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +106,8 @@ class PostLocalSGDState(NativeState):
         self._process_group = None
         self._subgroup = None
         self._params_tagged = False
-        self._cpp = _C.PostLocalSGDState(resolve_group(None, _WHO), None, state["start_localSGD_iter"],
+        self._cpp = _C.PostLocalSGDState(resolve_group(None, _WHO), None,
+                                         state["start_localSGD_iter"],
                                          bool(state["post_local_gradient_allreduce"]), logger.info)
         self._cpp.load_state_dict(state)
 

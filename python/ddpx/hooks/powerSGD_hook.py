@@ -5,13 +5,19 @@ import functools
 import logging
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .._groups import resolve_group
 from .._loader import _C
-from ._native import (NativeState, check_int, check_number, declare_torch_slots, make_hook,
-                      native_property, process_group_property)
+from ._native import (
+    NativeState,
+    check_int,
+    check_number,
+    declare_torch_slots,
+    make_hook,
+    native_property,
+    process_group_property,
+)
 
 try:  # torch's PowerSGDState needs numpy for its `rng`; ddpx runs without it (see `rng`).
     import numpy as _np
@@ -101,8 +107,9 @@ _OPTION_NAMES = (
 class PowerSGDState(NativeState):
     r"""State of the PowerSGD hooks: hyperparameters, error-feedback residuals, warm-start Q
     factors, the iteration counter and the random generator. Same arguments, defaults, errors
-    and attributes as :class:`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState`;
-    the work runs in C++.
+    and attributes as
+    :class:`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState`; the work
+    runs in C++.
 
     Differences from torch, all deliberate:
 
@@ -222,9 +229,10 @@ class PowerSGDState(NativeState):
 
     def clear_memories(self) -> None:
         """Forgets the error-feedback residuals and the warm-start Q factors: the next
-        compressed step starts them afresh (zero residuals, fresh Qs), as the first one does. ddpx only: after a step whose gradients held NaN or
-        Inf, PowerSGD's memories hold them too (torch's as well), and every later step would
-        carry them; call this between steps to start the memories afresh."""
+        compressed step starts them afresh (zero residuals, fresh Qs), as the first one does.
+        ddpx only: after a step whose gradients held NaN or Inf, PowerSGD's memories hold them
+        too (torch's as well), and every later step would carry them; call this between steps to
+        start the memories afresh."""
         self._cpp.clear_memories()
 
     def compression_stats(self) -> Tuple[float, int, int]:

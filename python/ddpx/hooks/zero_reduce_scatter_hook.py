@@ -30,8 +30,9 @@ one range) and posts the receives of its own elements; point-to-point (send/recv
 NCCL), tagged with the bucket's index. A later hook call completes (sums) the buckets whose
 messages have all arrived, without waiting for the others, and the last bucket's call completes
 every one, waiting: no communication is issued from a completion callback, nothing waits on a
-thread, and the backward computation never blocks on a transfer. The owner adds the contributions in rank order (deterministic; not bit for bit DDP's
-all-reduce, which sums in another order).
+thread, and the backward computation never blocks on a transfer. The owner adds the
+contributions in rank order (deterministic; not bit for bit DDP's all-reduce, which sums in
+another order).
 """
 from typing import Any, Dict, List, Tuple
 
