@@ -95,11 +95,21 @@ def _powersgd(out: str, folder: str) -> None:
         assert os.path.exists(os.path.join(folder, f"powersgd_rank{rank}.pt"))
 
 
+def _hook_type(out: str, folder: str) -> None:
+    for rank in (0, 1):
+        pattern = rf"rank {rank}: (\w+): ddpx's weights differ from torch's by (\d\.\de[+-]\d+)"
+        diffs = {m.group(1): float(m.group(2)) for m in _lines(out, pattern)}
+        assert sorted(diffs) == ["ALLREDUCE", "FP16_COMPRESS", "POWER_SGD"], (rank, out)
+        assert diffs["ALLREDUCE"] == diffs["POWER_SGD"] == 0.0, diffs  # bit for bit
+        assert 0 < diffs["FP16_COMPRESS"] < 1e-3, diffs  # fp16 rounding
+
+
 CHECKS: Dict[str, Callable[[str, str], None]] = {
     "quickstart": _quickstart,
     "comm-hooks": lambda out, folder: [
         _each_rank(rf"rank {{rank}}: {dtype} mean within \S+ of the exact mean")(out, folder)
         for dtype in ("fp16", "bf16")],
+    "comm-hook-type": _hook_type,
     "powersgd-resume": _powersgd,
     "post-local-sgd": _each_rank(r"rank {rank}: replicas equal after the averaging step: True"),
     "hierarchical": _each_rank(r"rank {rank}: averaged with every rank at steps 0 and 4"),

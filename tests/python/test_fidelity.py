@@ -49,6 +49,7 @@ MODULES = [
     ("torch.distributed.optim.zero_redundancy_optimizer", "ddpx.optim"),
     ("torch.distributed.optim.optimizer", "ddpx.optim"),
     (f"{_HOOKS}.ddp_zero_hook", "ddpx.hooks.ddp_zero_hook"),
+    (_HOOKS, "ddpx.hooks"),  # DDPCommHookType, register_ddp_comm_hook
 ]
 
 # ---- allow-lists: every deliberate difference, with its reason -------------------------------

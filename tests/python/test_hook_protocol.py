@@ -129,6 +129,7 @@ MODULES = {
     "zero_reduce_scatter_hook": ["reduce_scatter_hook"],
     "quantization_hooks": ["quantization_pertensor_hook", "quantization_perchannel_hook"],
     "_native": ["register_comm_hook", "native_hook"],
+    "_hook_type": ["DDPCommHookType", "register_ddp_comm_hook"],
 }
 
 

@@ -22,6 +22,7 @@ from .post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from .zero_reduce_scatter_hook import reduce_scatter_hook
 from .quantization_hooks import quantization_perchannel_hook, quantization_pertensor_hook
+from ._hook_type import DDPCommHookType, register_ddp_comm_hook
 
 __all__ = [
     "allreduce_hook",
@@ -41,5 +42,7 @@ __all__ = [
     "quantization_pertensor_hook",
     "quantization_perchannel_hook",
     "register_comm_hook",
+    "DDPCommHookType",
+    "register_ddp_comm_hook",
     "native_hook",
 ]
