@@ -85,10 +85,12 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):  # type: ignore[override]
+        """The wrapped optimizer's ``state``, the same object (no copy)."""
         return self.optim.state
 
     @property
     def defaults(self):  # type: ignore[override]
+        """The wrapped optimizer's ``defaults``, the same object (no copy)."""
         return self.optim.defaults
 
     def __repr__(self) -> str:
