@@ -9,8 +9,8 @@ say ``:inherited-members:``). The docstrings checked are those of this source tr
 last ``pip install`` and the tests' own ddpx is left alone.
 
 C++: every public declaration in the public headers (include/ddpx/**/*.h, no ``detail/`` folder,
-no file named ``*private*``) has a comment. The rule, as the headers are written (STYLE.md: a
-one-line ``//`` above each public declaration says what it promises): a declaration is public
+no file named ``*private*``) has a comment. The rule, as the headers are written (a one-line
+``//`` above each public declaration says what it promises): a declaration is public
 when it is outside ``namespace detail`` and not in a private or protected section; it is
 documented when a comment (``//``, ``///`` or ``/* */``) ends on its own line or on the line above
 it, or above the run of declarations it belongs to (lines with no blank line between, such as a
@@ -65,7 +65,8 @@ def python_api() -> dict:
             src = inspect.getsource(cls)
         except (OSError, TypeError):
             return False
-        return re.search(rf"^\s*#:.*\n(\s*#:.*\n)*\s*{re.escape(name)}\s*[:=]", src, re.M) is not None
+        pattern = rf"^\s*#:.*\n(\s*#:.*\n)*\s*{re.escape(name)}\s*[:=]"
+        return re.search(pattern, src, re.M) is not None
 
     report = {}
     for module_name in PUBLIC_MODULES:
@@ -165,7 +166,8 @@ def test_python_names_documented(python_report, module_name):
     missing = []
     # Data imported from elsewhere (``__version__``) has no ``#:`` comment to read: a plain
     # ``.. py:data::`` directive on the page, with its text, documents it.
-    plain = {name for name, options in page_directives(module_name).items() if "auto" not in options}
+    plain = {name for name, options in page_directives(module_name).items()
+             if "auto" not in options}
     for entry in python_report[module_name]:
         if entry["kind"] == "data" and f"{module_name}.{entry['name']}" in plain:
             continue
@@ -235,8 +237,8 @@ _NAMESPACE = re.compile(r"^\s*(?:inline\s+)?namespace\b\s*([\w:]*)")
 _CLASS = re.compile(r"^\s*(?:template\s*<.*>\s*)?(class|struct|union)\b\s*(?:\w+\s+)*?(\w+)?\s*"
                     r"(?:final)?\s*(?::[^{]*)?$", re.S)
 _ENUM = re.compile(r"^\s*enum\b")
-_FORWARD = re.compile(r"^\s*(?:template\s*<.*>\s*)?(class|struct|union|enum(\s+class)?)\s+[\w:]+\s*$",
-                      re.S)
+_FORWARD = re.compile(
+    r"^\s*(?:template\s*<.*>\s*)?(class|struct|union|enum(\s+class)?)\s+[\w:]+\s*$", re.S)
 _EXEMPT = re.compile(r"\boverride\b|=\s*default\s*$|=\s*delete\s*$|^\s*friend\b|^\s*~|"
                      r"^\s*virtual\s+~|^\s*static_assert\b|^\s*using\s+namespace\b", re.S)
 
