@@ -13,6 +13,7 @@
 namespace ddpx {
 namespace comm {
 
+// Options and statistics of average_parameters: those of the bucketed engine it runs on.
 using AverageOptions = BucketOptions;
 using AverageStats = BucketStats;
 

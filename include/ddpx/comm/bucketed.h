@@ -75,6 +75,7 @@ class AllreduceMean final : public BucketCollective {
 // (their bytes travel: every backend broadcasts bytes).
 class Broadcast final : public BucketCollective {
  public:
+  // `root`: the group rank whose values every rank receives.
   explicit Broadcast(int64_t root);
   bool promotes() const override { return false; }
   at::ScalarType wire_dtype(at::ScalarType dtype, const c10::Device&,
@@ -83,6 +84,7 @@ class Broadcast final : public BucketCollective {
   }
   c10::intrusive_ptr<c10d::Work> start(c10d::ProcessGroup& pg,
                                        const at::Tensor& values) const override;
+  // The group rank whose values every rank takes.
   int64_t root() const { return root_; }
 
  private:

@@ -27,6 +27,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 
+// True when the torch ddpx compiles against is at least major.minor: the one version test,
+// used in this header only.
 #define DDPX_TORCH_VERSION_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||               \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -267,6 +269,8 @@ constexpr bool kRMSpropLerpsGradAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 1);
 
 // What c10d::Reducer's constructor takes, by name (its positional list changed across releases).
 struct ReducerArgs {
+  // The fields are the constructor's arguments of the same names, with DDP's defaults; those
+  // an older Reducer lacks must keep their defaults (make_reducer refuses them otherwise).
   std::vector<at::Tensor> params;
   std::vector<std::vector<size_t>> bucket_indices;
   // Size limit of each bucket of bucket_indices, as compute_bucket_assignment_by_size returns
@@ -395,6 +399,8 @@ namespace warning_utils = c10::Warning;
 // arguments).
 class ScopedWarningHandler : public c10::WarningHandler {
  public:
+  // Installs this handler on the constructing thread until destruction; on_warning receives each
+  // message's text.
   ScopedWarningHandler() : guard_(this) {}
   virtual void on_warning(const std::string& message) = 0;
 
@@ -414,6 +420,7 @@ class ScopedWarningHandler : public c10::WarningHandler {
 // (positive) and free (negative). 2.x changed the size arguments' types.
 class MemoryReporter : public c10::MemoryReportingInfoBase {
  public:
+  // `bytes` > 0 for an allocation, < 0 for a free, on `device`.
   virtual void on_memory(int64_t bytes, c10::Device device) = 0;
 #if DDPX_TORCH_VERSION_AT_LEAST(2, 0)
   void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device device) override{

@@ -62,6 +62,7 @@ class DDPOptions {
   }
   const std::vector<double>& bucket_cap_mb_list() const { return bucket_cap_mb_list_; }
 
+// Declares the boolean option `name` (default `default_value`): a chaining setter and a getter.
 #define DDPX_DDP_FLAG(name, default_value) \
   DDPOptions& name(bool value) {           \
     name##_ = value;                       \
@@ -173,6 +174,8 @@ class DistributedDataParallel {
   // communicate (Python's `with ddp.no_sync():`).
   class NoSyncGuard {
    public:
+    // Turns gradient synchronisation off until destruction, then restores what it was; movable,
+    // not copyable.
     explicit NoSyncGuard(DistributedDataParallel& ddp);
     ~NoSyncGuard();
     NoSyncGuard(NoSyncGuard&& other) noexcept;
@@ -184,6 +187,7 @@ class DistributedDataParallel {
     DistributedDataParallel* ddp_;
     bool previous_;
   };
+  // A guard that turns synchronisation off while it lives (see NoSyncGuard).
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   // Uneven inputs (Python's `with Join([ddp], ...)`, torch.distributed.algorithms.join): runs
@@ -196,6 +200,7 @@ class DistributedDataParallel {
   // torch). Forwards after it are plain again.
   void join(const std::function<void()>& loop, JoinOptions options = {});
 
+  // The wrapped module (DDP shares it; it is not copied).
   torch::nn::Module& module() { return *module_; }
   const std::shared_ptr<torch::nn::Module>& module_ptr() const { return module_; }
   // The parameters DDP reduces: the module's with requires_grad, each once, in module order.

@@ -19,12 +19,14 @@ namespace hooks {
 // ranks, reduce-scattered and gathered back on 3 or more (see CompressHook); the same result.
 class AllreduceHook final : public CommHook {
  public:
+  // `process_group` must not be null; `exchange` decides how 16-bit buckets travel.
   explicit AllreduceHook(ProcessGroupPtr process_group,
                          ExchangeMode exchange = ExchangeMode::kAuto);
 
   std::string name() const override { return "allreduce_hook"; }
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
+  // The constructor's arguments.
   const ProcessGroupPtr& process_group() const { return pg_; }
   ExchangeMode exchange() const { return exchange_; }
 

@@ -30,12 +30,14 @@ class CommHook : public c10d::CommHookInterface {
   at::Tensor parseHookResult(const c10::IValue& result) override;
 };
 
+// How hooks are held and passed: shared by DDP, Python and wrapping hooks.
 using CommHookPtr = std::shared_ptr<CommHook>;
 
 // Owns a shared reference to a hook and forwards to it: Reducer::register_comm_hook takes a
 // std::unique_ptr, while Python and other wrappers keep using the same hook object.
 class SharedCommHook final : public c10d::CommHookInterface {
  public:
+  // `hook` must not be null; runHook and parseHookResult forward to it, and hook() returns it.
   explicit SharedCommHook(CommHookPtr hook);
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
   at::Tensor parseHookResult(const c10::IValue& result) override;

@@ -24,12 +24,14 @@ namespace hooks {
 // the next bucket's runHook, or at once for the last bucket). On NCCL the 16-bit allreduce.
 class CompressHook final : public CommHook {
  public:
+  // `dtype` must be kHalf or kBFloat16 (refused otherwise); `process_group` not null.
   CompressHook(ProcessGroupPtr process_group, at::ScalarType dtype,
                ExchangeMode exchange = ExchangeMode::kAuto);
 
   std::string name() const override;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
+  // The constructor's arguments.
   at::ScalarType dtype() const { return dtype_; }
   const ProcessGroupPtr& process_group() const { return pg_; }
   ExchangeMode exchange() const { return exchange_; }

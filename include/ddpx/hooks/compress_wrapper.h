@@ -12,11 +12,13 @@ namespace hooks {
 // hook). The bucket's buffer is restored once the wrapped hook has been started.
 class CompressWrapper final : public CommHook {
  public:
+  // `hook`: the wrapped hook (not null); `dtype`: kHalf or kBFloat16.
   CompressWrapper(CommHookPtr hook, at::ScalarType dtype);
 
   std::string name() const override;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
+  // The constructor's arguments.
   const CommHookPtr& wrapped() const { return hook_; }
   at::ScalarType dtype() const { return dtype_; }
 

@@ -21,6 +21,7 @@ namespace hooks {
 
 class PostLocalSGDState {
  public:
+  // Receives each of torch's info lines, on the thread that logs it.
   using Logger = std::function<void(const std::string&)>;
 
   // `process_group`: the global group (must not be null). `subgroup`: the group used after
@@ -32,11 +33,14 @@ class PostLocalSGDState {
                     int64_t start_localSGD_iter, bool post_local_gradient_allreduce = true,
                     Logger logger = nullptr);
 
+  // The constructor's arguments, readable and settable as torch's attributes.
   const ProcessGroupPtr& process_group() const { return process_group_; }
   void set_process_group(ProcessGroupPtr pg);
   const ProcessGroupPtr& subgroup() const { return subgroup_; }
   void set_subgroup(ProcessGroupPtr pg) { subgroup_ = std::move(pg); }
 
+  // The schedule, readable and settable: when local SGD starts, and whether gradients are still
+  // averaged within `subgroup` after that.
   int64_t start_localSGD_iter() const { return start_localSGD_iter_; }
   void set_start_localSGD_iter(int64_t value);
   bool post_local_gradient_allreduce() const { return post_local_gradient_allreduce_; }
@@ -59,6 +63,7 @@ class PostLocalSGDState {
   // Restores state_dict(); checks the keys and types, names what is wrong.
   void load_state_dict(const c10::impl::GenericDict& dict);
 
+  // The logger (null: c10's LOG(INFO)), and a line sent to it.
   void set_logger(Logger logger) { logger_ = std::move(logger); }
   void log(const std::string& line) const;
 
@@ -74,11 +79,13 @@ class PostLocalSGDState {
 // The hook. Collectives are issued from runHook (DDP's autograd thread), in bucket order.
 class PostLocalSGDHook final : public CommHook {
  public:
+  // Shares `state` (not null) with its other users, e.g. the Python state and the averagers.
   explicit PostLocalSGDHook(std::shared_ptr<PostLocalSGDState> state);
 
   std::string name() const override { return "post_localSGD_hook"; }
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
+  // The state given to the constructor.
   const std::shared_ptr<PostLocalSGDState>& state() const { return state_; }
 
  private:

@@ -19,11 +19,13 @@ namespace hooks {
 // collectives differently on different ranks).
 class PowerSGDHook final : public CommHook {
  public:
+  // Shares `state` (not null); `batched` selects batched_powerSGD_hook's semantics.
   PowerSGDHook(PowerSGDStatePtr state, bool batched);
 
   std::string name() const override;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
+  // The constructor's arguments.
   const PowerSGDStatePtr& state() const { return state_; }
   bool batched() const { return batched_; }
 

@@ -51,6 +51,8 @@ struct PowerSGDOptions {
 // init_genrand seeding and masked rejection), so ddpx draws the same Q seeds as torch's hook.
 class NumpyRandint {
  public:
+  // Seeded as RandomState(seed); randint_1e9() draws the next value, serialize() /
+  // deserialize() save and restore the generator's whole state as text.
   explicit NumpyRandint(uint32_t seed = 0) : engine_(seed) {}
   int64_t randint_1e9();
   std::string serialize() const;
@@ -84,13 +86,17 @@ class PowerSGDState {
                 std::function<void(const std::string&)> logger = nullptr);
   ~PowerSGDState();
 
+  // The options in force.
   const PowerSGDOptions& options() const { return options_; }
   // Replaces the options (validated); the memories are kept.
   void set_options(const PowerSGDOptions& options);
 
+  // The group the hooks exchange over.
   const ProcessGroupPtr& process_group() const { return pg_; }
   void set_process_group(ProcessGroupPtr pg);
 
+  // Iterations counted so far (settable to resume), the elements before and after compression
+  // since compression started, and the iteration of the next statistics log line, as torch's.
   int64_t iter() const { return iter_; }
   void set_iter(int64_t iter) { iter_ = iter; }
   int64_t total_numel_before_compression() const { return total_before_; }
@@ -185,6 +191,7 @@ class PowerSGDState {
   std::unique_ptr<detail::PowerSGDMemory> memory_;
 };
 
+// How the hooks and Python share one state.
 using PowerSGDStatePtr = std::shared_ptr<PowerSGDState>;
 
 }  // namespace hooks

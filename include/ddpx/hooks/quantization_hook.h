@@ -31,6 +31,7 @@ class QuantizationHook final : public CommHook {
   std::string name() const override;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
+  // The constructor's arguments.
   const ProcessGroupPtr& process_group() const { return pg_; }
   int64_t bucket_size() const { return bucket_size_; }
 

@@ -37,6 +37,8 @@ class ModelAverager {
   // The same over the parameters of optimizer parameter groups.
   void average_parameters(const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
+  // Steps counted so far (one per average_parameters call), settable to resume a job; the group
+  // and the averaging options the constructor took (options settable between steps).
   int64_t step() const { return step_; }
   void set_step(int64_t step);
   const ProcessGroupPtr& process_group() const { return process_group_; }
@@ -61,12 +63,15 @@ class ModelAverager {
 // (this rank is not a member) makes averaging a no-op while the steps are still counted.
 class PeriodicModelAverager final : public ModelAverager {
  public:
+  // Validates as torch's constructor (c10::ValueError naming the argument).
   PeriodicModelAverager(int64_t period, int64_t warmup_steps, ProcessGroupPtr process_group,
                         AverageOptions options = {});
 
   void average_parameters(const std::vector<at::Tensor>& params) override;
+  // The parameter-group overload of the base class, still visible beside the override.
   using ModelAverager::average_parameters;
 
+  // The constructor's arguments.
   int64_t period() const { return period_; }
   int64_t warmup_steps() const { return warmup_steps_; }
   // Settable mid-run, as torch's attributes are (a schedule that changes the period): the next
@@ -90,13 +95,16 @@ class PeriodicModelAverager final : public ModelAverager {
 // appears twice; warns when the largest period is 1.
 class HierarchicalModelAverager final : public ModelAverager {
  public:
+  // Validates as torch's constructor (c10::ValueError naming what is wrong).
   HierarchicalModelAverager(std::vector<std::pair<int64_t, ProcessGroupPtr>> period_groups,
                             int64_t warmup_steps, ProcessGroupPtr process_group,
                             AverageOptions options = {});
 
   void average_parameters(const std::vector<at::Tensor>& params) override;
+  // The parameter-group overload of the base class, still visible beside the override.
   using ModelAverager::average_parameters;
 
+  // The constructor's arguments.
   const std::vector<std::pair<int64_t, ProcessGroupPtr>>& period_groups() const {
     return period_groups_;
   }

@@ -35,6 +35,7 @@ struct SGDOptions {
   double weight_decay = 0;  // >= 0; L2 penalty added to the gradient
   bool nesterov = false;    // needs momentum > 0 and dampening == 0
   bool maximize = false;    // ascend instead of descend
+  // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
   void validate() const;
   // Calls f(name, field) for every field, named as torch's constructor argument.
   template <typename F>
@@ -52,9 +53,10 @@ struct AdamOptions {
   double eps = 1e-8;        // >= 0
   double weight_decay = 0;  // >= 0; Adam: L2 on the gradient; AdamW: param *= 1 - lr * wd
   bool amsgrad = false;     // keep and use the running maximum of exp_avg_sq
-  bool maximize = false;
+  bool maximize = false;    // ascend instead of descend
   // torch.optim.AdamW's defaults: those above with weight_decay = 1e-2.
   static AdamOptions adamw_defaults();
+  // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
   void validate() const;
   // f(name, field) for every field; torch's betas as beta1 and beta2.
   template <typename F>
@@ -71,8 +73,10 @@ struct AdagradOptions {
   double weight_decay = 0;               // >= 0; L2 penalty added to the gradient
   double initial_accumulator_value = 0;  // >= 0; what each element of "sum" starts from
   double eps = 1e-10;                    // >= 0; added to sqrt(sum)
-  bool maximize = false;
+  bool maximize = false;                 // ascend instead of descend
+  // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
   void validate() const;
+  // Calls f(name, field) for every field, named as torch's constructor argument.
   template <typename F>
   void for_each_field(F&& f) {
     f("lr", lr), f("lr_decay", lr_decay), f("weight_decay", weight_decay);
@@ -89,8 +93,10 @@ struct RMSpropOptions {
   double weight_decay = 0;  // >= 0; L2 penalty added to the gradient
   double momentum = 0;      // >= 0; > 0: keep a momentum buffer
   bool centered = false;    // normalise by the variance estimate (keeps grad_avg)
-  bool maximize = false;
+  bool maximize = false;    // ascend instead of descend
+  // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
   void validate() const;
+  // Calls f(name, field) for every field, named as torch's constructor argument.
   template <typename F>
   void for_each_field(F&& f) {
     f("lr", lr), f("alpha", alpha), f("eps", eps), f("weight_decay", weight_decay);
@@ -145,6 +151,7 @@ using ParamState = std::map<std::string, at::Tensor>;
 // parameters). Shares the parameters' storage: step() updates them in place.
 class FunctionalSGD {
  public:
+  // Validates `opts` (c10::ValueError as torch's); shares the storage of `params`.
   FunctionalSGD(std::vector<at::Tensor> params, SGDOptions opts);
   // Steps every parameter whose gradient is defined (grads.size() == params().size()); an
   // undefined gradient skips its parameter, as torch skips a parameter whose .grad is None.
@@ -167,6 +174,9 @@ class FunctionalSGD {
 // FunctionalSGD.
 class FunctionalAdam {
  public:
+  // Validates `opts`; shares the storage of `params`. `decoupled_weight_decay`: AdamW's
+  // decay. step() as FunctionalSGD's; params(), options() and the flag are the constructor's;
+  // state() / load_state() copy each parameter's state in torch.optim's layout.
   FunctionalAdam(std::vector<at::Tensor> params, AdamOptions opts, bool decoupled_weight_decay);
   void step(const std::vector<at::Tensor>& grads);
   const std::vector<at::Tensor>& params() const { return params_; }
@@ -190,6 +200,9 @@ class FunctionalAdam {
 // initial_accumulator_value), so state() lists every parameter from the start.
 class FunctionalAdagrad {
  public:
+  // Validates `opts`; shares the storage of `params`. step() as FunctionalSGD's; params()
+  // and options() are the constructor's; state() copies each parameter's state in torch.optim's
+  // layout.
   FunctionalAdagrad(std::vector<at::Tensor> params, AdagradOptions opts);
   void step(const std::vector<at::Tensor>& grads);
   const std::vector<at::Tensor>& params() const { return params_; }
@@ -208,6 +221,9 @@ class FunctionalAdagrad {
 // RMSprop over a fixed list of parameters; as FunctionalSGD.
 class FunctionalRMSprop {
  public:
+  // Validates `opts`; shares the storage of `params`. step() as FunctionalSGD's; params()
+  // and options() are the constructor's; state() / load_state() copy each parameter's state in
+  // torch.optim's layout.
   FunctionalRMSprop(std::vector<at::Tensor> params, RMSpropOptions opts);
   void step(const std::vector<at::Tensor>& grads);
   const std::vector<at::Tensor>& params() const { return params_; }

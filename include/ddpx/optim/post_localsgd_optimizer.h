@@ -33,6 +33,7 @@ class PostLocalSGDOptimizer {
   void zero_grad(bool set_to_none = true);
   void add_param_group(const torch::optim::OptimizerParamGroup& group);
 
+  // The wrapped optimizer's parameter groups, the same objects (LR schedulers change them).
   std::vector<torch::optim::OptimizerParamGroup>& param_groups();
   const std::vector<torch::optim::OptimizerParamGroup>& param_groups() const;
 
@@ -42,8 +43,10 @@ class PostLocalSGDOptimizer {
   // as torch.
   void load(torch::serialize::InputArchive& archive);
 
+  // The archive key under which save() stores the averager's step.
   static constexpr const char* kStepKey = "ddpx_post_local_sgd_step";
 
+  // The constructor's arguments.
   const std::shared_ptr<torch::optim::Optimizer>& optimizer() const { return optim_; }
   const std::shared_ptr<ModelAverager>& averager() const { return averager_; }
 

@@ -29,6 +29,7 @@ namespace optim {
 // parameters. Built by make_rpc_local_optimizer.
 class RpcLocalOptimizer {
  public:
+  // The step over the parameters' gradients, and the reader of their optimizer state.
   using StepFn = std::function<void(const std::vector<at::Tensor>&)>;
   using StateFn = std::function<std::vector<ParamState>()>;
   RpcLocalOptimizer(std::string kind, std::vector<at::Tensor> params, StepFn step, StateFn state);

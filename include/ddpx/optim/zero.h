@@ -44,6 +44,7 @@ std::vector<std::vector<int64_t>> partition_sorted_greedy(
 // One piece of a parameter under the balanced partition: elements [begin, end) of the
 // parameter's flattened values, updated by rank `owner`.
 struct ZeroPiece {
+  // [begin, end) of the flattened values, and the rank that owns (steps) them.
   int64_t begin = 0;
   int64_t end = 0;
   int64_t owner = 0;
@@ -85,6 +86,7 @@ struct ZeroOptions {
 
 // What one exchange did (tests and benchmarks).
 struct ZeroExchangeStats {
+  // Counts of what the exchange issued.
   int64_t rounds = 0;
   int64_t broadcasts = 0;
   int64_t inplace_broadcasts = 0;  // broadcasts of a parameter's or bucket's own storage
@@ -106,6 +108,8 @@ class ZeroShards {
   ZeroShards(std::vector<at::Tensor> params, std::vector<int64_t> owners,
              std::vector<bool> trainable, ProcessGroupPtr pg, ZeroOptions options = {});
 
+  // The constructor's arguments and what they determine: this rank, the group, each
+  // parameter's owning rank.
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
   const ProcessGroupPtr& process_group() const { return pg_; }
@@ -192,6 +196,7 @@ class ZeroShards {
 // parameter, as torch skips a None .grad) and their state, updated in place; options may differ
 // between groups.
 struct ZeroSGDGroup {
+  // Indices of the group's parameters, their gradients (same order) and hyper-parameters.
   std::vector<int64_t> params;
   std::vector<at::Tensor> grads;
   // One per parameter; an undefined one is created on the parameter's first step (with
@@ -201,6 +206,7 @@ struct ZeroSGDGroup {
 };
 
 struct ZeroAdamGroup {
+  // Indices of the group's parameters, their gradients (same order) and hyper-parameters.
   std::vector<int64_t> params;
   std::vector<at::Tensor> grads;
   std::vector<at::Tensor> exp_avgs, exp_avg_sqs, max_exp_avg_sqs;  // max_: with amsgrad only
@@ -240,9 +246,12 @@ bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroAdamGr
 //   zero.zero_grad(); loss.backward(); zero.step();
 class ZeroRedundancyOptimizer {
  public:
+  // Builds the local optimizer over this rank's shard of the parameter groups.
   using LocalFactory = std::function<std::shared_ptr<torch::optim::Optimizer>(
       std::vector<torch::optim::OptimizerParamGroup>)>;
 
+  // Partitions `param_groups` over the ranks of `pg` and builds this rank's local optimizer with
+  // `make_local`.
   ZeroRedundancyOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                           const LocalFactory& make_local, ProcessGroupPtr pg,
                           ZeroOptions options = {});
@@ -256,6 +265,7 @@ class ZeroRedundancyOptimizer {
   // Every parameter's gradient (not only the shard's): dropped, or zeroed with false.
   void zero_grad(bool set_to_none = true);
 
+  // The local optimizer over this rank's shard, and the shards' layout.
   torch::optim::Optimizer& local() { return *local_; }
   const std::shared_ptr<torch::optim::Optimizer>& local_ptr() const { return local_; }
   const ZeroShards& shards() const { return *shards_; }
