@@ -7,9 +7,7 @@
 #include <c10/util/Exception.h>
 #include <ddpx/common/compat.h>
 
-#include <map>
-#include <mutex>
-
+#include "comm/staging.h"
 #include "ops/cast.h"
 
 namespace ddpx {
@@ -18,54 +16,6 @@ namespace comm {
 using ops::scaled_cast_into;
 using ops::sum_rows_with_own_into;
 
-namespace {
-
-// Reuses CPU staging buffers across calls, so that a step does not allocate (and fault in)
-// world_size x bucket bytes per bucket. Bounded; CUDA tensors come from torch's caching
-// allocator. (What makes the exchange fast is the all-to-all itself: Gloo's allgather copies
-// through a flat buffer of its own, which the all-to-all avoids; benchmarks/bench_collectives.py
-// times the two.)
-class StagingPool {
- public:
-  static StagingPool& instance() {
-    static StagingPool pool;
-    return pool;
-  }
-
-  at::Tensor acquire(int64_t nbytes, const at::TensorOptions& options) {
-    if (options.device().is_cpu()) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = free_.find(nbytes);
-      if (it != free_.end()) {
-        at::Tensor t = std::move(it->second);
-        free_.erase(it);
-        held_ -= nbytes;
-        return t;
-      }
-    }
-    return at::empty({nbytes}, options.dtype(at::kByte));
-  }
-
-  void release(at::Tensor t) {
-    if (!t.device().is_cpu()) return;
-    const int64_t nbytes = t.numel();
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (held_ + nbytes > kMaxHeldBytes) return;
-    held_ += nbytes;
-    free_.emplace(nbytes, std::move(t));
-  }
-
- private:
-  static constexpr int64_t kMaxHeldBytes = int64_t(512) << 20;
-  std::mutex mutex_;
-  std::multimap<int64_t, at::Tensor> free_;
-  int64_t held_ = 0;
-};
-
-// `t` is about to be read on the current stream by work its owners may outlive (a future's
-// callback reading a buffer that is not in the parent future's value, so the future machinery
-// does not record it): tell the caching allocator, so that its memory is not handed out again
-// before that stream is done with it. Nothing to do on CPU.
 void keep_until_current_stream_done(const at::Tensor& t) {
   if (t.device().is_cpu()) return;
   const c10::impl::VirtualGuardImpl impl(t.device().type());
@@ -84,8 +34,6 @@ c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work, const c10::D
   const OnPoolStream on_side(device);
   return work.getFuture();
 }
-
-}  // namespace
 
 OnPoolStream::OnPoolStream(const c10::Device& device) {
   if (device.is_cpu()) return;
@@ -246,8 +194,6 @@ FuturePtr future_on(const at::Tensor& value) {
   return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
 }
 
-namespace {
-
 void complete_when_all_done(const c10::List<FuturePtr>& parts, const at::Tensor& value,
                             const FuturePtr& result) {
   c10::collectAll(parts)->addCallback([parts, result, value](c10::ivalue::Future& all) {
@@ -268,7 +214,6 @@ void complete_when_all_done(const c10::List<FuturePtr>& parts, const at::Tensor&
     }
   });
 }
-}  // namespace
 
 FuturePtr all_done(const c10::List<FuturePtr>& parts, const at::Tensor& value) {
   FuturePtr result = future_on(value);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "comm/deferred.h"
+#include "hooks/parameter_keys.h"
 #include "ops/orthogonalize.h"
 
 namespace ddpx {
@@ -121,6 +122,8 @@ class PowerSGDMemory {
   comm::DeferredCollective round_two;
   // load_state_dict's `strict`: a restored error memory of the wrong size raises.
   bool strict_restore = true;
+  // The keys of the memories above, per parameter.
+  ParameterKeys keys;
 
   // Forgets everything tied to this process's tensors (a checkpoint is being loaded).
   void reset_live() {

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "hooks/checkpoint_reader.h"
 #include "hooks/powersgd_memory.h"
 
 namespace ddpx {
@@ -105,7 +106,7 @@ std::tuple<double, int64_t, int64_t> PowerSGDState::compression_stats() const {
 void PowerSGDState::maybe_increase_iter(bool bucket_is_last) {
   if (bucket_is_last) {
     ++iter_;
-    saw_full_iteration_ = true;
+    memory_->keys.end_of_iteration();
   }
   // As torch: logged on every call that leaves iter at start_powerSGD_iter, so once for the
   // last bucket of the step that reaches it and once for each other bucket of the next step.
@@ -149,27 +150,7 @@ void PowerSGDState::maybe_report_stats(bool bucket_is_last) {
 
 std::vector<int64_t> PowerSGDState::keys_for(const c10d::GradBucket& bucket,
                                              const std::string& hook_name) {
-  const std::vector<at::Tensor> params = bucket.getParameters();
-  std::vector<int64_t> keys;
-  keys.reserve(params.size());
-  for (const auto& p : params) {
-    const void* id = p.unsafeGetTensorImpl();
-    auto it = key_of_.find(id);
-    if (it == key_of_.end()) {
-      TORCH_CHECK_VALUE(!saw_full_iteration_, hook_name,
-                        ": this PowerSGDState already serves another DDP model (a parameter it "
-                        "has not seen in a whole iteration reached the hook); create one state per "
-                        "model, or load_state_dict() a checkpoint into a new state");
-      const auto key = static_cast<int64_t>(key_of_.size());
-      it = key_of_
-               .emplace(
-                   id, KnownParameter{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
-                                      key})
-               .first;
-    }
-    keys.push_back(it->second.key);
-  }
-  return keys;
+  return memory_->keys.keys_for(bucket, hook_name, "PowerSGDState");
 }
 
 namespace {
@@ -192,17 +173,6 @@ c10::impl::GenericDict tensor_dict(const std::unordered_map<Key, at::Tensor>& li
   for (const auto& kv : restored) d.insert(kv.first, kv.second);
   for (const auto& kv : live) d.insert_or_assign(kv.first, kv.second.detach().clone().cpu());
   return d;
-}
-
-template <typename Key>
-Key key_of(const c10::IValue& v);
-template <>
-int64_t key_of<int64_t>(const c10::IValue& v) {
-  return v.toInt();
-}
-template <>
-std::string key_of<std::string>(const c10::IValue& v) {
-  return v.toStringRef();
 }
 
 // Live memories over the restored ones, as the bindings and tests read them.
@@ -262,66 +232,9 @@ c10::impl::GenericDict PowerSGDState::state_dict() const {
   return d;
 }
 
-namespace {
-// The values of a checkpoint dict, type-checked: a wrong type is a c10::TypeError naming the key
-// (IValue's own accessors would fail an internal assert that blames PyTorch).
-class CheckpointReader {
- public:
-  explicit CheckpointReader(const c10::impl::GenericDict& d) : d_(d) {}
-
-  c10::IValue get(const char* key) const {
-    auto it = d_.find(std::string(key));
-    TORCH_CHECK_VALUE(it != d_.end(), kWho, ": missing key '", key, "'");
-    return it->value();
-  }
-  int64_t get_int(const char* key) const {
-    const c10::IValue v = get(key);
-    TORCH_CHECK_TYPE(v.isInt(), kWho, ": '", key, "' must be an int, got ", v.tagKind());
-    return v.toInt();
-  }
-  double get_double(const char* key) const {
-    const c10::IValue v = get(key);
-    TORCH_CHECK_TYPE(v.isDouble() || v.isInt(), kWho, ": '", key, "' must be a number, got ",
-                     v.tagKind());
-    return v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble();
-  }
-  bool get_bool(const char* key) const {
-    const c10::IValue v = get(key);
-    TORCH_CHECK_TYPE(v.isBool(), kWho, ": '", key, "' must be a bool, got ", v.tagKind());
-    return v.toBool();
-  }
-  std::string get_string(const char* key) const {
-    const c10::IValue v = get(key);
-    TORCH_CHECK_TYPE(v.isString(), kWho, ": '", key, "' must be a str, got ", v.tagKind());
-    return v.toStringRef();
-  }
-  // A dict of tensors keyed by Key (int parameter keys, or str bucket keys).
-  template <typename Key>
-  std::unordered_map<Key, at::Tensor> get_tensors(const char* key) const {
-    const c10::IValue v = get(key);
-    TORCH_CHECK_TYPE(v.isGenericDict(), kWho, ": '", key, "' must be a dict of tensors, got ",
-                     v.tagKind());
-    std::unordered_map<Key, at::Tensor> out;
-    for (const auto& kv : v.toGenericDict()) {
-      const bool key_ok =
-          std::is_same<Key, int64_t>::value ? kv.key().isInt() : kv.key().isString();
-      TORCH_CHECK_TYPE(key_ok && kv.value().isTensor(), kWho, ": '", key, "' must map ",
-                       std::is_same<Key, int64_t>::value ? "ints" : "strs", " to tensors, got a ",
-                       kv.key().tagKind(), " -> ", kv.value().tagKind(), " entry");
-      out[key_of<Key>(kv.key())] = kv.value().toTensor();
-    }
-    return out;
-  }
-
- private:
-  static constexpr const char* kWho = "PowerSGDState.load_state_dict";
-  const c10::impl::GenericDict& d_;
-};
-}  // namespace
-
 void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d, bool strict,
                                     bool allow_reshard) {
-  const CheckpointReader in(d);
+  const detail::CheckpointReader in(d, "PowerSGDState.load_state_dict");
   TORCH_CHECK_VALUE(in.get_string("format") == "ddpx.PowerSGDState/1",
                     "PowerSGDState.load_state_dict: not a ddpx PowerSGDState checkpoint");
   // Everything is read and checked before anything changes: a bad checkpoint leaves the state
@@ -376,8 +289,7 @@ void PowerSGDState::load_state_dict(const c10::impl::GenericDict& d, bool strict
   mem.restored_batched_q = std::move(batched_q);
   mem.restored_batched_error_pad = std::move(batched_error_pad);
   mem.strict_restore = strict;
-  key_of_.clear();
-  saw_full_iteration_ = false;
+  mem.keys.clear();
 }
 
 std::vector<char> PowerSGDState::save() const { return torch::jit::pickle_save(state_dict()); }

@@ -16,7 +16,6 @@
 #include <string>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <tuple>
-#include <unordered_map>
 #include <vector>
 
 namespace ddpx {
@@ -178,15 +177,6 @@ class PowerSGDState {
   int64_t total_before_ = 0;
   int64_t total_after_ = 0;
   int64_t next_stats_report_ = 0;
-  // Parameter keys by TensorImpl address. The weak reference pins the address: a freed
-  // parameter's TensorImpl memory is not released while it is held, so a new model's parameter
-  // can never take a known parameter's address and inherit its memories.
-  struct KnownParameter {
-    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
-    int64_t key;
-  };
-  std::unordered_map<const void*, KnownParameter> key_of_;
-  bool saw_full_iteration_ = false;
   std::function<void(const std::string&)> logger_;
   std::unique_ptr<detail::PowerSGDMemory> memory_;
 };
