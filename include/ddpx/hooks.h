@@ -11,3 +11,4 @@
 #include <ddpx/hooks/powersgd_hook.h>
 #include <ddpx/hooks/powersgd_state.h>
 #include <ddpx/hooks/quantization_hook.h>
+#include <ddpx/hooks/quantized_hook.h>

@@ -85,6 +85,7 @@ void def_state_dict(py::class_<State, Options...>& cls, bool bind_load = true) {
 void bind_hooks(py::module& m);
 void bind_powersgd(py::module& m);
 void bind_post_localsgd(py::module& m);
+void bind_quantized(py::module& m);
 void bind_averaging(py::module& m);
 void bind_kernels(py::module& m);
 void bind_functional_optim(py::module& m);

@@ -17,6 +17,7 @@ PYBIND11_MODULE(_C, m) {
   ddpx::python::bind_hooks(m);
   ddpx::python::bind_powersgd(m);
   ddpx::python::bind_post_localsgd(m);
+  ddpx::python::bind_quantized(m);
   ddpx::python::bind_averaging(m);
   ddpx::python::bind_kernels(m);
   ddpx::python::bind_functional_optim(m);

@@ -1,0 +1,136 @@
+// quantized_hook and its state: gradients quantized to 8, 4, 2 or 1 bits per value in blocks,
+// with two-level error feedback, exchanged reduce-scatter style so that the bytes per rank
+// shrink with the world size.
+//
+// Per bucket of n values on W ranks, from iteration start_iter on:
+//   1. every rank adds its residual to the bucket, quantizes it block by block (one fp32 scale
+//      per `block_size` values) and keeps the quantization error as its new residual;
+//   2. one all-to-all sends chunk j of the blocks to rank j (the chunk's *owner*);
+//   3. the owner dequantizes the W pieces of its chunk, sums them in fp32 in rank order, divides
+//      by W, adds its own second residual and quantizes the mean again, keeping that error
+//      (two-level error feedback, as DeepSpeed's compressed allreduce);
+//   4. one all-to-all sends every owner's quantized mean to every rank, which dequantizes them
+//      into the bucket: every rank gets the same bits.
+// Each rank puts about 2 (W - 1) / W * n * bits / 8 bytes on the wire, plus 4 bytes of scale per
+// block. Before start_iter the hook averages with a plain allreduce (allreduce_hook's result).
+// Step 4 of a bucket is issued from the next runHook (comm::DeferredCollective), so every rank
+// issues the collectives in one order whatever the timing.
+#pragma once
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ddpx/hooks/comm_hook.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace ddpx {
+namespace hooks {
+
+struct QuantizedOptions {
+  // Bits per value: 8, 4, 2 (symmetric integers: 255, 15, 3 levels) or 1 (signs with a scale of
+  // mean |v| per block).
+  int64_t bits = 8;
+  // Values per scale; block_size * bits must be a multiple of 8.
+  int64_t block_size = 256;
+  // Keep each level's quantization error and add it to the next step's values. Without it the
+  // error is dropped every step (biased for 1 and 2 bits).
+  bool use_error_feedback = true;
+  // Iterations averaged with a plain allreduce before quantization starts.
+  int64_t start_iter = 10;
+  // Seed of the stochastic rounding's counter-based generator.
+  int64_t random_seed = 0;
+  // Round stochastically (unbiased) instead of to nearest.
+  bool stochastic_rounding = false;
+};
+
+// Throws c10::ValueError naming the bad option.
+void validate(const QuantizedOptions& options);
+
+namespace detail {
+// The residuals per bucket and per parameter (private).
+class QuantizedMemory;
+}  // namespace detail
+
+// State of quantized_hook. One state serves one DDP model.
+//
+// Residuals are kept per parameter (keyed by first appearance, as PowerSGDState's memories), so
+// they survive DDP's bucket rebuild and a checkpoint restored into a new process: a bucket whose
+// layout changed takes each parameter's rank-level residual whole, and the owner-level residual
+// of the values this rank owns under both layouts (the rest restarts from zero). A resumed job
+// continues bit for bit when DDP builds the buckets the checkpoint was taken with (the same
+// model, bucket_cap_mb and world size).
+//
+// Thread-safety: runs on DDP's autograd thread; do not call state_dict(), load_state_dict() or
+// clear_memories() during backward.
+class QuantizedState {
+ public:
+  // `process_group` must not be null. Throws c10::ValueError for bad options.
+  QuantizedState(ProcessGroupPtr process_group, QuantizedOptions options = {});
+  ~QuantizedState();
+
+  // The group the hook averages over; a new group (not null) takes effect at the next bucket,
+  // whose residuals are then recut for the new world size.
+  const ProcessGroupPtr& process_group() const { return pg_; }
+  void set_process_group(ProcessGroupPtr pg);
+  // The options in force.
+  const QuantizedOptions& options() const { return options_; }
+  // Replaces the options (validated); the residuals are kept.
+  void set_options(const QuantizedOptions& options);
+
+  // Iterations counted so far (the warm-up ends when it reaches start_iter); iter >= 0.
+  int64_t iter() const { return iter_; }
+  void set_iter(int64_t iter);
+  // Counts one iteration on the last bucket of a backward pass.
+  void maybe_increase_iter(bool bucket_is_last);
+
+  // {"format", the options, "iter", "rank", "world_size", "worker_residuals",
+  // "server_residuals"}: the residuals per parameter key as CPU fp32 tensors (the owner-level
+  // ones zero outside the values this rank owns). No process group.
+  c10::impl::GenericDict state_dict() const;
+  // Restores state_dict()'s content (keys and types checked, c10::TypeError / c10::ValueError
+  // naming the key). Residuals are one rank's own: a checkpoint saved by another rank or in a
+  // group of another size is a c10::ValueError unless `allow_reshard`.
+  void load_state_dict(const c10::impl::GenericDict& state, bool allow_reshard = false);
+
+  // The residuals per parameter key, as state_dict() saves them (copies).
+  std::map<int64_t, at::Tensor> worker_residuals() const;
+  std::map<int64_t, at::Tensor> server_residuals() const;
+  // Forgets every residual: the next step starts from zero, as the first quantized step does.
+  void clear_memories();
+
+  // --- used by the hook ---
+  detail::QuantizedMemory& memory() { return *memory_; }
+
+ private:
+  ProcessGroupPtr pg_;
+  QuantizedOptions options_;
+  int64_t iter_ = 0;
+  std::unique_ptr<detail::QuantizedMemory> memory_;
+};
+
+// A state shared by the hook and the program that checkpoints it.
+using QuantizedStatePtr = std::shared_ptr<QuantizedState>;
+
+// The hook. Collectives are issued from runHook (DDP's autograd thread) in bucket order; a
+// bucket's second collective from the next runHook (or at once for the last bucket).
+class QuantizedHook final : public CommHook {
+ public:
+  // `state` must not be null (c10::TypeError).
+  explicit QuantizedHook(QuantizedStatePtr state);
+  std::string name() const override { return "quantized_hook"; }
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
+  // The state this hook reads and updates.
+  const QuantizedStatePtr& state() const { return state_; }
+
+ private:
+  QuantizedStatePtr state_;
+};
+
+// Factory, as the other hooks': the hook over `state`.
+CommHookPtr quantized_hook(QuantizedStatePtr state);
+
+}  // namespace hooks
+}  // namespace ddpx

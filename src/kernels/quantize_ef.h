@@ -1,0 +1,93 @@
+// Torch-free block quantization with error feedback: the compute core of quantized_hook. The ATen
+// layer (ops/quantized.h) validates tensors, splits the blocks over threads and picks the CPU or
+// CUDA variant (quantize_ef_cuda.h) by device.
+//
+// Values are cut into blocks of `block` values (the last one may be short). A block travels as
+// one fp32 scale and `block` codes of `bits` bits (8, 4, 2 or 1), packed little-end first into
+// bytes. A *message* of `blocks` blocks is
+//   float32 scale[blocks] | packed codes, block after block | zero padding
+// of quantized_message_bytes(blocks, bits, block) bytes (a multiple of 16). `block * bits` must
+// be a multiple of 8, so that every block's codes start on a byte.
+//
+// The codes. bits >= 2: symmetric integers q in [-qmax, qmax], qmax = 2^(bits-1) - 1 (127, 7, 1),
+// stored as q + 2^(bits-1); scale = max|v| / qmax over the block, so every finite value is in
+// range; q = round_half_even(v / scale), or with stochastic rounding floor(v / scale + u) for a
+// uniform u in [0, 1). 1 bit: the sign (code 1 for v >= 0), dequantized to +-scale with
+// scale = mean |v| over the block (the L2-optimal scale of a sign code), or, stochastic,
+// scale = max|v| and code 1 with probability (1 + v / scale) / 2 (unbiased).
+//
+// Error bounds, per element of a finite block (v the value quantized, d its dequantized value):
+//   bits >= 2, nearest:    |v - d| <= scale / 2  (up to fp32 rounding of scale * q)
+//   bits >= 2, stochastic: |v - d| <  scale, and E[d] = v
+//   1 bit: d = +-scale with v's sign; stochastic: E[d] = v.
+// Error feedback: the residual written back is v - d in fp32. For bits >= 2 that subtraction is
+// exact (d has v's sign and lies within a factor 2 of v, or is 0: Sterbenz), so d + residual == v
+// bit for bit; for 1 bit it is the rounded difference.
+//
+// Non-finite blocks: a block holding a NaN or an infinity gets scale NaN and codes 0, so it
+// dequantizes to NaN on every rank that receives it (never to a finite value), and its residual
+// is reset to 0 (a residual that kept the NaN would poison every later step; the step that saw
+// it is the one a GradScaler skips). A block whose scale is 0 or underflows to 0 (all zeros, or
+// denormals too small to divide) sends zeros and keeps the whole value in the residual.
+#pragma once
+
+#include <cstdint>
+
+#include "cast.h"
+
+namespace ddpx {
+namespace kernels {
+
+// The bit widths quantized_hook supports.
+bool valid_quant_bits(int bits);
+// Bytes of the packed codes of one block.
+int64_t packed_block_bytes(int bits, int64_t block);
+// Bytes of a message of `blocks` blocks (see above).
+int64_t quantized_message_bytes(int64_t blocks, int bits, int64_t block);
+
+// Where a message's block lives among the values: [begin, begin + len) with 1 <= len <= block,
+// and `draw`, the stochastic generator's index of its first value (value i of the block draws
+// at draw + i). A message's blocks may come from anywhere (quantized_hook cuts every parameter
+// into blocks of its own and sends each owner the blocks it owns); they must not overlap.
+struct BlockRef {
+  int64_t begin;
+  int64_t len;
+  uint64_t draw;
+};
+
+struct QuantSpec {
+  int bits = 8;
+  int64_t block = 256;
+  bool stochastic = false;
+  // Stochastic rounding draws u from a counter-based generator: u depends only on (seed, stream,
+  // the value's draw index), so a run is reproducible and a resumed one draws what the original
+  // drew.
+  uint64_t seed = 0;
+  uint64_t stream = 0;
+};
+
+// Quantizes the message blocks [first, last) of `refs` into the message (`scales`: its scale
+// array, `codes`: its packed codes; block m's codes at codes + m * packed_block_bytes). Value i
+// is cast<float>(x[i]), plus residual[i] when `residual` is not null, which then receives the new
+// residual. `x` is of dtype t. Blocks are independent: threads may run disjoint ranges of one
+// message. Runs on the calling thread.
+void quantize_ef_blocks_cpu(const void* x, DType t, float* residual, const BlockRef* refs,
+                            int64_t first, int64_t last, const QuantSpec& spec, float* scales,
+                            uint8_t* codes);
+
+// For the message blocks [first, last) of `refs`: dst[i] = post_scale * (sum over the messages,
+// in order, of their dequantized value i), summed in fp32. Message r starts at
+// messages + r * message_bytes; every message holds the same blocks (`blocks` of them). dst is
+// fp32, indexed like the refs.
+void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
+                               int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
+                               int bits, int64_t block, float post_scale, float* dst);
+
+// dst[i] = cast<dst_t>(dequantized value i) for the message blocks [first, last) of `refs`
+// (the message holds `blocks` blocks).
+void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRef* refs,
+                           int64_t first, int64_t last, int bits, int64_t block, void* dst,
+                           DType dst_t);
+
+}  // namespace kernels
+}  // namespace ddpx

@@ -1,0 +1,216 @@
+// CUDA implementation of the block quantization with error feedback (quantize_ef_cuda.h).
+//   quantize: one CUDA block per quantization block: a strided pass reduces max|v|, sum|v| and
+//     "non-finite" in shared memory; then each thread encodes the values of whole code bytes,
+//     packs them and writes their residuals (the values are recomputed from x and the old
+//     residual, which only this thread reads and writes).
+//   dequantize (sum): one CUDA block per quantization block, a strided loop over its values.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_check.h"
+#include "quantize_ef_cuda.h"
+#include "quantize_ef_inl.h"
+
+namespace ddpx {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  __device__ static float load(float v) { return v; }
+  __device__ static float store(float v) { return v; }
+};
+template <>
+struct Elem<double> {
+  __device__ static float load(double v) { return static_cast<float>(v); }
+  __device__ static double store(float v) { return v; }
+};
+template <>
+struct Elem<__half> {
+  __device__ static float load(__half v) { return __half2float(v); }
+  __device__ static __half store(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ float value_at(const T* x, const float* residual, int64_t i) {
+  const float v = Elem<T>::load(x[i]);
+  return residual ? detail::q_add(v, residual[i]) : v;
+}
+
+template <typename T>
+__global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* refs, int64_t first,
+                                   QuantSpec spec, float* scales, uint8_t* codes) {
+  const int bits = spec.bits;
+  const int64_t block = spec.block;
+  const int64_t b = first + blockIdx.x;
+  const int64_t begin = refs[b].begin;
+  const int64_t len = refs[b].len;
+  const uint64_t draw = refs[b].draw;
+  float absmax = 0.0f, abssum = 0.0f;
+  int nonfinite = 0;
+  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+    const float a = fabsf(value_at(x, residual, begin + i));
+    absmax = a > absmax ? a : absmax;
+    abssum = __fadd_rn(abssum, a);
+    nonfinite |= !(a <= 3.4028234663852886e+38f);
+  }
+  __shared__ float smax[kThreads], ssum[kThreads];
+  __shared__ int sbad[kThreads];
+  smax[threadIdx.x] = absmax;
+  ssum[threadIdx.x] = abssum;
+  sbad[threadIdx.x] = nonfinite;
+  __syncthreads();
+  for (int step = kThreads / 2; step > 0; step /= 2) {
+    if (threadIdx.x < step) {
+      smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + step]);
+      ssum[threadIdx.x] = __fadd_rn(ssum[threadIdx.x], ssum[threadIdx.x + step]);
+      sbad[threadIdx.x] |= sbad[threadIdx.x + step];
+    }
+    __syncthreads();
+  }
+  const bool bad = sbad[0] != 0;
+  const float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
+  if (threadIdx.x == 0) scales[b] = scale;
+  const int per = 8 / bits;
+  const int64_t block_bytes = block * bits / 8;
+  uint8_t* cb = codes + b * block_bytes;
+  for (int64_t j = threadIdx.x; j < block_bytes; j += blockDim.x) {
+    uint32_t byte = 0;
+    for (int k = 0; k < per; ++k) {
+      const int64_t i = j * per + k;
+      if (i >= len) break;  // the short last block's unused codes stay 0
+      if (bad) {
+        if (residual) residual[begin + i] = 0.0f;
+        continue;
+      }
+      const float v = value_at(x, residual, begin + i);
+      const float u = spec.stochastic ? detail::uniform01(spec.seed, spec.stream,
+                                                          draw + static_cast<uint64_t>(i))
+                                      : 0.0f;
+      const uint32_t code = detail::encode(v, scale, bits, spec.stochastic, u);
+      if (residual) residual[begin + i] = detail::q_add(v, -detail::decode(code, scale, bits));
+      byte |= code << (k * bits);
+    }
+    cb[j] = static_cast<uint8_t>(byte);
+  }
+}
+
+// Block m of a message of `blocks` blocks: dst gets its dequantized values (or, with `count`
+// messages `message_bytes` apart, post_scale times their sum in message order).
+__global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, int64_t message_bytes,
+                                      int64_t blocks, const BlockRef* refs, int bits, int64_t block,
+                                      float post_scale, float* dst) {
+  const int64_t m = blockIdx.x;
+  const int64_t begin = refs[m].begin, len = refs[m].len;
+  const int64_t block_bytes = block * bits / 8;
+  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < count; ++r) {
+      const uint8_t* message = messages + r * message_bytes;
+      const float scale = reinterpret_cast<const float*>(message)[m];
+      const uint8_t* cb = message + 4 * blocks + m * block_bytes;
+      acc = __fadd_rn(acc, detail::decode(detail::unpack_code(cb, i, bits), scale, bits));
+    }
+    dst[begin + i] = __fmul_rn(acc, post_scale);
+  }
+}
+
+template <typename D>
+__global__ void dequantize_kernel(const uint8_t* message, int64_t blocks, const BlockRef* refs,
+                                  int bits, int64_t block, D* dst) {
+  const int64_t m = blockIdx.x;
+  const int64_t begin = refs[m].begin, len = refs[m].len;
+  const float scale = reinterpret_cast<const float*>(message)[m];
+  const uint8_t* cb = message + 4 * blocks + m * (block * bits / 8);
+  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+    dst[begin + i] = Elem<D>::store(detail::decode(detail::unpack_code(cb, i, bits), scale, bits));
+  }
+}
+
+[[noreturn]] void bad_dtype(DType t) {
+  throw std::invalid_argument("ddpx quantize_ef CUDA kernels: unsupported dtype tag " +
+                              std::to_string(static_cast<int>(t)));
+}
+
+// Grids of at most 2^31 - 1 blocks: launched in slices of message blocks.
+constexpr int64_t kSlice = int64_t(1) << 30;
+
+template <typename T>
+void quantize_typed(const void* x, float* residual, const BlockRef* refs, int64_t blocks,
+                    const QuantSpec& spec, float* scales, uint8_t* codes, cudaStream_t stream) {
+  for (int64_t b = 0; b < blocks; b += kSlice) {
+    const int64_t count = std::min(kSlice, blocks - b);
+    quantize_ef_kernel<T><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), residual, refs, b, spec, scales, codes);
+    DDPX_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+template <typename D>
+void dequantize_typed(const uint8_t* message, int64_t blocks, const BlockRef* refs, int bits,
+                      int64_t block, void* dst, cudaStream_t stream) {
+  dequantize_kernel<D><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      message, blocks, refs, bits, block, static_cast<D*>(dst));
+  DDPX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void quantize_ef_blocks_cuda(const void* x, DType t, float* residual, const BlockRef* refs,
+                             int64_t blocks, const QuantSpec& spec, float* scales, uint8_t* codes,
+                             cudaStream_t stream) {
+  if (blocks <= 0) return;
+  switch (t) {
+    case DType::kFloat32:
+      return quantize_typed<float>(x, residual, refs, blocks, spec, scales, codes, stream);
+    case DType::kFloat64:
+      return quantize_typed<double>(x, residual, refs, blocks, spec, scales, codes, stream);
+    case DType::kFloat16:
+      return quantize_typed<__half>(x, residual, refs, blocks, spec, scales, codes, stream);
+    case DType::kBFloat16:
+      return quantize_typed<__nv_bfloat16>(x, residual, refs, blocks, spec, scales, codes, stream);
+  }
+  bad_dtype(t);
+}
+
+void dequantize_sum_blocks_cuda(const uint8_t* messages, int64_t count, int64_t message_bytes,
+                                int64_t blocks, const BlockRef* refs, int bits, int64_t block,
+                                float post_scale, float* dst, cudaStream_t stream) {
+  if (blocks <= 0) return;
+  // One launch: message blocks beyond 2^31 - 1 would need 2^31 blocks of `block` values.
+  dequantize_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      messages, count, message_bytes, blocks, refs, bits, block, post_scale, dst);
+  DDPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void dequantize_blocks_cuda(const uint8_t* message, int64_t blocks, const BlockRef* refs, int bits,
+                            int64_t block, void* dst, DType dst_t, cudaStream_t stream) {
+  if (blocks <= 0) return;
+  switch (dst_t) {
+    case DType::kFloat32:
+      return dequantize_typed<float>(message, blocks, refs, bits, block, dst, stream);
+    case DType::kFloat64:
+      return dequantize_typed<double>(message, blocks, refs, bits, block, dst, stream);
+    case DType::kFloat16:
+      return dequantize_typed<__half>(message, blocks, refs, bits, block, dst, stream);
+    case DType::kBFloat16:
+      return dequantize_typed<__nv_bfloat16>(message, blocks, refs, bits, block, dst, stream);
+  }
+  bad_dtype(dst_t);
+}
+
+}  // namespace kernels
+}  // namespace ddpx

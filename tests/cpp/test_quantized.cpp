@@ -1,0 +1,470 @@
+// Tests of the block quantization with error feedback: the kernels (src/kernels/quantize_ef.h,
+// through the ATen layer ops/quantized.h) against closed forms, and quantized_hook on 1-4 Gloo
+// ranks (threads over one HashStore) against the properties that define it.
+//
+// Closed forms (quantize_ef.h): for bits >= 2 a block's scale is max|v| / qmax and every value
+// dequantizes within scale / 2 of itself; what is sent plus the new residual is the input plus
+// the old residual, exactly; stochastic rounding is unbiased. The hook: every rank ends with the
+// same bits; one step is within the two quantizations' error of the exact mean; with error
+// feedback the errors do not accumulate, so the average of T steps of a constant gradient is
+// within (bounded residuals) / T of the exact mean, for every bit width, 1 bit included.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ddpx/hooks/quantized_hook.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/quantize_ef.h"
+#include "ops/quantized.h"
+#include "test_utils.h"
+
+namespace {
+
+using ddpx::hooks::QuantizedOptions;
+using ddpx::hooks::QuantizedState;
+using ddpx_test::ProcessGroupPtr;
+using ::testing::HasSubstr;
+
+ddpx::kernels::QuantSpec spec(int bits, int64_t block, bool stochastic = false,
+                              uint64_t stream = 0) {
+  ddpx::kernels::QuantSpec s;
+  s.bits = bits;
+  s.block = block;
+  s.stochastic = stochastic;
+  s.seed = 1234;
+  s.stream = stream;
+  return s;
+}
+
+using ddpx::ops::BlockTable;
+
+BlockTable table(int64_t n, int64_t block) { return BlockTable::contiguous(n, block); }
+
+at::Tensor message_for(const at::Tensor& x, int bits, int64_t block) {
+  return at::zeros(
+      {ddpx::ops::quantized_message_bytes(table(x.numel(), block).size(), bits, block)},
+      at::TensorOptions().dtype(at::kByte));
+}
+
+// Quantizes x (plus residual) as one message of contiguous blocks.
+void quantize(const at::Tensor& x, const at::Tensor& residual, const ddpx::kernels::QuantSpec& s,
+              const at::Tensor& msg) {
+  ddpx::ops::quantize_ef_into(x, residual, table(x.numel(), s.block), s, msg);
+}
+
+at::Tensor decode(const at::Tensor& message, int64_t n, int bits, int64_t block) {
+  at::Tensor out = at::empty({n}, at::kFloat);
+  ddpx::ops::dequantize_into(message, table(n, block), bits, block, out);
+  return out;
+}
+
+at::Tensor scales_of(const at::Tensor& message, int64_t n, int64_t block) {
+  const int64_t blocks = (n + block - 1) / block;
+  return message.narrow(0, 0, 4 * blocks).view(at::kFloat).clone();
+}
+
+at::Tensor random_input(uint64_t seed, int64_t n, at::ScalarType dtype = at::kFloat) {
+  return ddpx_test::make_tensor(ddpx_test::random_values(seed, n), dtype);
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+class QuantizeBits : public ::testing::TestWithParam<int> {};
+
+TEST_P(QuantizeBits, ErrorWithinHalfAScaleAndErrorFeedbackExact) {
+  const int bits = GetParam();
+  const int64_t block = 64, n = 1000;  // a short last block
+  const at::Tensor x = random_input(11, n);
+  at::Tensor residual = random_input(12, n) * 0.01;
+  const at::Tensor v = x + residual;  // fp32, as the kernel adds them
+  at::Tensor msg = message_for(x, bits, block);
+  quantize(x, residual, spec(bits, block), msg);
+  const at::Tensor d = decode(msg, n, bits, block);
+  // What was sent plus the new residual is the input plus the old residual: exact for bits >= 2,
+  // within half an ulp of the residual for 1 bit.
+  if (bits >= 2) {
+    EXPECT_TRUE(at::equal(d + residual, v));
+  } else {
+    const at::Tensor ulp = at::abs(residual) * std::ldexp(1.0, -23) + 1e-38;
+    EXPECT_TRUE(((d + residual - v).abs() <= ulp).all().item<bool>());
+  }
+  const at::Tensor scales = scales_of(msg, n, block);
+  for (int64_t b = 0; b * block < n; ++b) {
+    const int64_t len = std::min(block, n - b * block);
+    const at::Tensor vb = v.narrow(0, b * block, len);
+    const at::Tensor db = d.narrow(0, b * block, len);
+    const float scale = scales[b].item<float>();
+    if (bits >= 2) {
+      const float qmax = static_cast<float>((1 << (bits - 1)) - 1);
+      EXPECT_EQ(scale, vb.abs().max().item<float>() / qmax) << "block " << b;
+      EXPECT_LE((vb - db).abs().max().item<float>(), scale / 2 * (1 + 1e-6f)) << "block " << b;
+    } else {
+      EXPECT_NEAR(scale, vb.abs().mean().item<float>(), 1e-6 * scale) << "block " << b;
+      EXPECT_TRUE(at::equal(db.abs(), at::full_like(db, scale)));
+      EXPECT_TRUE(at::equal(db >= 0, vb >= 0)) << "block " << b;
+    }
+  }
+}
+
+TEST_P(QuantizeBits, EveryDtypeQuantizesItsValuesAsFloat) {
+  const int bits = GetParam();
+  const int64_t block = 32, n = 200;
+  for (const auto dtype : {at::kDouble, at::kHalf, at::kBFloat16}) {
+    const at::Tensor x = random_input(21, n, dtype);
+    at::Tensor a = message_for(x, bits, block), b = message_for(x, bits, block);
+    quantize(x, at::Tensor(), spec(bits, block), a);
+    quantize(x.to(at::kFloat), at::Tensor(), spec(bits, block), b);
+    EXPECT_TRUE(at::equal(a, b)) << dtype;
+    // Decoding into the dtype rounds the fp32 value once.
+    at::Tensor out = at::empty({n}, dtype);
+    ddpx::ops::dequantize_into(a, table(n, block), bits, block, out);
+    EXPECT_TRUE(at::equal(out, decode(a, n, bits, block).to(dtype))) << dtype;
+  }
+}
+
+TEST_P(QuantizeBits, PackingRoundTripsEveryCode) {
+  const int bits = GetParam();
+  const int64_t block = 64;
+  // Values on the grid of every code: q * scale for q in [-qmax, qmax] (bits >= 2), so decoding
+  // gives them back exactly; 1 bit: +-1.
+  const int qmax = bits == 1 ? 1 : (1 << (bits - 1)) - 1;
+  std::vector<double> values;
+  for (int64_t i = 0; i < block; ++i) {
+    int q = static_cast<int>(i % (2 * qmax + 1)) - qmax;
+    if (bits == 1) q = i % 3 == 0 ? -1 : 1;
+    values.push_back(q * 0.25);
+  }
+  values[0] = -qmax * 0.25;  // max|v| = qmax * 0.25, so the scale is 0.25
+  values[1] = qmax * 0.25;
+  const at::Tensor x = ddpx_test::make_tensor(values, at::kFloat);
+  at::Tensor msg = message_for(x, bits, block);
+  quantize(x, at::Tensor(), spec(bits, block), msg);
+  EXPECT_EQ(msg.numel(), (4 + block * bits / 8 + 15) / 16 * 16);
+  EXPECT_TRUE(at::equal(decode(msg, block, bits, block), x));
+}
+
+TEST_P(QuantizeBits, StochasticRoundingIsUnbiasedAndWithinAScale) {
+  const int bits = GetParam();
+  const int64_t block = 16;
+  const at::Tensor x = random_input(31, block);
+  const int draws = 4000;
+  at::Tensor sum = at::zeros({block}, at::kDouble);
+  at::Tensor msg = message_for(x, bits, block);
+  float scale = 0;
+  for (int s = 0; s < draws; ++s) {
+    quantize(x, at::Tensor(), spec(bits, block, true, s), msg);
+    const at::Tensor d = decode(msg, block, bits, block);
+    scale = scales_of(msg, block, block)[0].item<float>();
+    EXPECT_LT((d - x).abs().max().item<float>(), bits == 1 ? 2 * scale * 1.000001f : scale);
+    sum += d.to(at::kDouble);
+  }
+  // Each draw's error is within [-scale, scale] (2 scale for 1 bit), so its standard deviation is
+  // at most scale (resp. 2 scale) / 2 ... bounded by the range: 5 standard errors of the mean.
+  const double range = bits == 1 ? 2.0 * scale : scale;
+  const double bound = 5.0 * range / std::sqrt(static_cast<double>(draws));
+  EXPECT_LE((sum / draws - x.to(at::kDouble)).abs().max().item<double>(), bound);
+  // And it is random: two streams differ somewhere.
+  at::Tensor a = message_for(x, bits, block), b = message_for(x, bits, block);
+  quantize(x, at::Tensor(), spec(bits, block, true, 1), a);
+  quantize(x, at::Tensor(), spec(bits, block, true, 2), b);
+  EXPECT_FALSE(at::equal(a, b));
+}
+
+TEST_P(QuantizeBits, ThreadsGiveTheBitsOfOneThread) {
+  const int bits = GetParam();
+  const int64_t block = 256, n = 1 << 18;  // enough blocks for several tasks
+  const at::Tensor x = random_input(41, n);
+  at::Tensor r1 = random_input(42, n) * 0.01, r2 = r1.clone();
+  at::Tensor a = message_for(x, bits, block), b = message_for(x, bits, block);
+  at::set_num_threads(1);
+  quantize(x, r1, spec(bits, block), a);
+  at::set_num_threads(2);
+  quantize(x, r2, spec(bits, block), b);
+  at::set_num_threads(1);
+  EXPECT_TRUE(at::equal(a, b));
+  EXPECT_TRUE(at::equal(r1, r2));
+}
+
+INSTANTIATE_TEST_SUITE_P(Bits, QuantizeBits, ::testing::Values(8, 4, 2, 1));
+
+TEST(QuantizeEdges, ZeroDenormalAndNonFiniteBlocks) {
+  const int64_t block = 8;
+  std::vector<double> values(32, 0.0);
+  for (int i = 8; i < 16; ++i) values[i] = std::ldexp(1.0, -140) * (i - 11);  // denormals
+  for (int i = 16; i < 24; ++i) values[i] = i;
+  values[19] = std::numeric_limits<double>::quiet_NaN();
+  for (int i = 24; i < 32; ++i) values[i] = -i;
+  values[30] = -std::numeric_limits<double>::infinity();
+  const at::Tensor x = ddpx_test::make_tensor(values, at::kFloat);
+  for (const int bits : {8, 4, 2, 1}) {
+    at::Tensor residual = at::zeros({32}, at::kFloat);
+    residual.narrow(0, 16, 16).fill_(0.5);
+    at::Tensor msg = message_for(x, bits, block);
+    quantize(x, residual, spec(bits, block), msg);
+    const at::Tensor d = decode(msg, 32, bits, block);
+    const at::Tensor scales = scales_of(msg, 32, block);
+    // Zeros: scale 0, zeros out, zero residual.
+    EXPECT_EQ(scales[0].item<float>(), 0.0f) << bits;
+    EXPECT_TRUE(at::equal(d.narrow(0, 0, 8).abs(), at::zeros({8}))) << bits;
+    EXPECT_TRUE(at::equal(residual.narrow(0, 0, 8), at::zeros({8}))) << bits;
+    // Denormals: what is sent plus the residual is still the input.
+    EXPECT_TRUE(at::equal(d.narrow(0, 8, 8) + residual.narrow(0, 8, 8), x.narrow(0, 8, 8))) << bits;
+    // A NaN or an infinity: the whole block decodes to NaN, its residual restarts at 0.
+    for (const int b : {2, 3}) {
+      EXPECT_TRUE(std::isnan(scales[b].item<float>())) << bits;
+      EXPECT_TRUE(at::isnan(d.narrow(0, 8 * b, 8)).all().item<bool>()) << bits;
+      EXPECT_TRUE(at::equal(residual.narrow(0, 8 * b, 8), at::zeros({8}))) << bits;
+    }
+  }
+}
+
+TEST(QuantizeEdges, SumOfMessagesInOrder) {
+  const int bits = 4;
+  const int64_t block = 32, n = 100;
+  std::vector<at::Tensor> messages;
+  at::Tensor expected = at::zeros({n}, at::kFloat);
+  for (int r = 0; r < 3; ++r) {
+    const at::Tensor x = random_input(50 + r, n);
+    at::Tensor msg = message_for(x, bits, block);
+    quantize(x, at::Tensor(), spec(bits, block), msg);
+    expected = expected + decode(msg, n, bits, block);
+    messages.push_back(msg);
+  }
+  at::Tensor out = at::empty({n}, at::kFloat);
+  ddpx::ops::dequantize_sum_into(at::stack(messages), table(n, block), bits, block, 1.0f / 3.0f,
+                                 out);
+  EXPECT_TRUE(at::equal(out, expected * (1.0f / 3.0f)));
+}
+
+TEST(QuantizeEdges, BadFormatsAreRefused) {
+  const at::Tensor x = at::ones({16});
+  at::Tensor msg = at::zeros({64}, at::kByte);
+  EXPECT_THAT(ddpx_test::error_message([&] { quantize(x, at::Tensor(), spec(3, 16), msg); }),
+              HasSubstr("bits must be 1, 2, 4 or 8"));
+  EXPECT_THAT(ddpx_test::error_message([&] { quantize(x, at::Tensor(), spec(4, 3), msg); }),
+              HasSubstr("whole bytes"));
+  at::Tensor small = at::zeros({4}, at::kByte);
+  EXPECT_THAT(ddpx_test::error_message([&] { quantize(x, at::Tensor(), spec(8, 16), small); }),
+              HasSubstr("must hold"));
+}
+
+// ---- the hook ---------------------------------------------------------------------------------
+
+QuantizedOptions options(int bits, int64_t block, int64_t start_iter = 0, bool ef = true) {
+  QuantizedOptions o;
+  o.bits = bits;
+  o.block_size = block;
+  o.start_iter = start_iter;
+  o.use_error_feedback = ef;
+  return o;
+}
+
+// Rank r's gradient of `n` values at step `step` (constant over steps when step < 0).
+at::Tensor grad(int rank, int64_t n, int step, at::ScalarType dtype = at::kFloat, int emin = -6) {
+  return ddpx_test::make_tensor(
+      ddpx_test::random_values(ddpx_test::rank_seed(100 + std::max(step, 0), rank), n, emin),
+      dtype);
+}
+
+// One model's parameters (two, as make_bucket lays them out) per rank, shared across steps.
+std::vector<at::Tensor> params_of(int64_t n) {
+  return {at::zeros({n / 2}), at::zeros({n - n / 2})};
+}
+
+at::Tensor run_step(const ddpx::hooks::CommHookPtr& hook, const at::Tensor& buffer,
+                    const std::vector<at::Tensor>& params) {
+  auto bucket = ddpx_test::make_bucket(buffer, params);
+  auto fut = hook->runHook(bucket->get());
+  fut->wait();
+  EXPECT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
+  return buffer;
+}
+
+class QuantizedHookWorld : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(QuantizedHookWorld, EveryRankSameBitsAndErrorFeedbackConverges) {
+  const int world = std::get<0>(GetParam());
+  const int bits = std::get<1>(GetParam());
+  const int64_t n = 1003, block = 64;
+  // 1 bit: the sign compressor contracts a block only by about (mean|v|)^2 / mean(v^2), so its
+  // residuals grow to tens of gradients before they settle, and its average needs hundreds of
+  // steps to enter the 1 / T regime (a numpy model of the two levels behaves the same). Its
+  // gradients span 2^5 in magnitude here, not 2^8.
+  const int steps = bits == 1 ? 640 : 40;
+  const int emin = bits == 1 ? -2 : -6;
+  std::vector<at::Tensor> results(static_cast<size_t>(world));
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    auto state = std::make_shared<QuantizedState>(pg, options(bits, block));
+    auto hook = ddpx::hooks::quantized_hook(state);
+    const auto params = params_of(n);
+    at::Tensor sum = at::zeros({n}, at::kDouble);
+    at::Tensor first, quarter;
+    for (int s = 0; s < steps; ++s) {
+      at::Tensor out = run_step(hook, grad(rank, n, -1, at::kFloat, emin), params);
+      if (s == 0) first = out.clone();
+      sum += out.to(at::kDouble);
+      if (s + 1 == steps / 4) quarter = (sum / (steps / 4)).to(at::kFloat);
+    }
+    EXPECT_EQ(state->iter(), steps);
+    results[static_cast<size_t>(rank)] = at::cat({first, quarter, (sum / steps).to(at::kFloat)});
+  });
+  at::Tensor exact = at::zeros({n}, at::kDouble);
+  for (int r = 0; r < world; ++r) exact += grad(r, n, -1, at::kFloat, emin).to(at::kDouble);
+  exact /= world;
+  for (int r = 1; r < world; ++r) EXPECT_TRUE(at::equal(results[r], results[0])) << "rank " << r;
+  auto error = [&](int part) {
+    return (results[0].narrow(0, part * n, n).to(at::kDouble) - exact).abs().max().item<double>();
+  };
+  const double one_step = error(0), at_quarter = error(1), at_end = error(2);
+  // One step: each level's error is at most half its scale (bits >= 2); the scales are at most
+  // max|g| / qmax, and |g| < 8 (random_values' range): at most 8 / qmax.
+  if (bits >= 2) EXPECT_LE(one_step, 8.0 / ((1 << (bits - 1)) - 1) + 1e-6);
+  // T steps of a constant gradient: sent_t = v_t - e_t with v_t = g + e_{t-1}, so the sum of
+  // what is sent telescopes to T g - e_T at both levels. The average is within (|e_w| + |e_s|) / T
+  // of the mean: it shrinks as 1 / T (a quarter of the steps: about 4 times the error), where
+  // without error feedback it would stay at the one-step error.
+  EXPECT_LE(at_end, at_quarter / 2.5 + 1e-6) << "one step " << one_step;
+  if (bits >= 2) EXPECT_LE(at_end, 8.0 * 4 / steps + 1e-5) << "one step " << one_step;
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndBits, QuantizedHookWorld,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(8, 4, 2, 1)));
+
+TEST(QuantizedHook, WarmUpIsAllreduceAndCheckpointResumesBitForBit) {
+  const int world = 3;
+  const int64_t n = 700;
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    QuantizedOptions o = options(2, 32, /*start_iter=*/2);
+    o.stochastic_rounding = true;
+    auto a = std::make_shared<QuantizedState>(pg, o);
+    auto hook_a = ddpx::hooks::quantized_hook(a);
+    const auto params = params_of(n);
+    // Warm-up: the exact mean, as allreduce_hook gives it (divide, then sum).
+    for (int s = 0; s < 2; ++s) {
+      at::Tensor g = grad(rank, n, s);
+      at::Tensor expected = g / world;
+      std::vector<at::Tensor> t{expected};
+      pg->allreduce(t)->wait();
+      EXPECT_TRUE(at::equal(run_step(hook_a, g, params), expected));
+    }
+    for (int s = 2; s < 5; ++s) run_step(hook_a, grad(rank, n, s), params);
+    // Checkpoint, then a new state (a new process: new parameter tensors) resumes.
+    const auto saved = a->state_dict();
+    auto b = std::make_shared<QuantizedState>(pg, options(8, 256));
+    b->load_state_dict(saved);
+    EXPECT_EQ(b->options().bits, 2);
+    auto hook_b = ddpx::hooks::quantized_hook(b);
+    const auto params_b = params_of(n);
+    for (int s = 5; s < 9; ++s) {
+      at::Tensor x = run_step(hook_a, grad(rank, n, s), params);
+      at::Tensor y = run_step(hook_b, grad(rank, n, s), params_b);
+      EXPECT_TRUE(at::equal(x, y)) << "step " << s << " rank " << rank;
+    }
+    for (const auto& [k, t] : a->worker_residuals()) {
+      EXPECT_TRUE(at::equal(t, b->worker_residuals().at(k))) << "parameter " << k;
+    }
+  });
+}
+
+TEST(QuantizedHook, ResultsDoNotDependOnTheBuckets) {
+  // The same two parameters and gradients, as one bucket and as one bucket each (what DDP's
+  // rebuild or another bucket_cap_mb does): blocks, owners and draws follow the parameters, so
+  // every step gives the same bits, and a switch of layout mid-run keeps every residual.
+  const int64_t n = 517;  // parameters of 258 and 259 values: short blocks at both ends
+  ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+    QuantizedOptions o = options(2, 16);
+    o.stochastic_rounding = true;
+    auto one = std::make_shared<QuantizedState>(pg, o);
+    auto split = std::make_shared<QuantizedState>(pg, o);
+    auto hook_one = ddpx::hooks::quantized_hook(one);
+    auto hook_split = ddpx::hooks::quantized_hook(split);
+    const auto params = params_of(n);
+    const auto params_split = params_of(n);
+    for (int s = 0; s < 6; ++s) {
+      const at::Tensor g = grad(rank, n, s);
+      at::Tensor a = run_step(hook_one, g.clone(), params);
+      at::Tensor b = g.clone();
+      if (s % 3 == 2) {  // now and then the whole bucket again: residuals move between layouts
+        run_step(hook_split, b, params_split);
+      } else {
+        const int64_t h = params_split[0].numel();
+        std::vector<at::Tensor> p0{params_split[0]}, p1{params_split[1]};
+        auto b0 = ddpx_test::make_bucket(b.narrow(0, 0, h), p0, 0, 2);
+        auto b1 = ddpx_test::make_bucket(b.narrow(0, h, n - h), p1, 1, 2);
+        auto f0 = hook_split->runHook(b0->get());
+        auto f1 = hook_split->runHook(b1->get());
+        f0->wait();
+        f1->wait();
+        ASSERT_FALSE(f0->hasError() || f1->hasError());
+      }
+      EXPECT_TRUE(at::equal(a, b)) << "step " << s << " rank " << rank;
+    }
+    const auto wa = one->worker_residuals(), wb = split->worker_residuals();
+    const auto sa = one->server_residuals(), sb = split->server_residuals();
+    ASSERT_EQ(wa.size(), 2u);
+    for (const auto& [k, t] : wa) EXPECT_TRUE(at::equal(t, wb.at(k))) << "parameter " << k;
+    for (const auto& [k, t] : sa) EXPECT_TRUE(at::equal(t, sb.at(k))) << "parameter " << k;
+  });
+}
+
+TEST(QuantizedHook, NanOnOneRankReachesEveryRankInItsBlockOnly) {
+  const int64_t n = 256, block = 32;
+  ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+    auto state = std::make_shared<QuantizedState>(pg, options(8, block));
+    auto hook = ddpx::hooks::quantized_hook(state);
+    const auto params = params_of(n);
+    at::Tensor g = grad(rank, n, 0);
+    if (rank == 1) g[70] = std::numeric_limits<float>::quiet_NaN();
+    run_step(hook, g, params);
+    EXPECT_TRUE(at::isnan(g.narrow(0, 64, 32)).all().item<bool>()) << rank;
+    EXPECT_TRUE(at::isfinite(g.narrow(0, 0, 64)).all().item<bool>()) << rank;
+    EXPECT_TRUE(at::isfinite(g.narrow(0, 96, n - 96)).all().item<bool>()) << rank;
+    // The residuals restarted where the NaN was: the next step is finite everywhere.
+    at::Tensor next = run_step(hook, grad(rank, n, 1), params);
+    EXPECT_TRUE(at::isfinite(next).all().item<bool>()) << rank;
+  });
+}
+
+TEST(QuantizedHook, SixteenBitBucketsAndRefusals) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto state = std::make_shared<QuantizedState>(pg, options(8, 64));
+    auto hook = ddpx::hooks::quantized_hook(state);
+    const auto params = params_of(300);
+    for (const auto dtype : {at::kHalf, at::kBFloat16, at::kDouble}) {
+      at::Tensor g = grad(rank, 300, 0, dtype);
+      at::Tensor out = run_step(hook, g, params);
+      EXPECT_EQ(out.scalar_type(), dtype);
+      EXPECT_TRUE(at::isfinite(out).all().item<bool>());
+    }
+  });
+  const auto& pgs = ddpx_test::shared_gloo_world(1);
+  EXPECT_THAT(ddpx_test::value_error([&] { QuantizedState(pgs[0], options(3, 64)); }),
+              HasSubstr("bits must be 1, 2, 4 or 8, got 3"));
+  EXPECT_THAT(ddpx_test::value_error([&] { QuantizedState(pgs[0], options(8, 12)); }),
+              HasSubstr("block_size must be a multiple of 8"));
+  QuantizedState st(pgs[0], options(8, 64));
+  auto d = st.state_dict();
+  // Another rank's residuals are refused.
+  d.insert_or_assign("rank", int64_t(5));
+  auto w = c10::impl::GenericDict(c10::IntType::get(), c10::TensorType::get());
+  w.insert(int64_t(0), at::zeros({4}));
+  d.insert_or_assign("worker_residuals", w);
+  EXPECT_THAT(ddpx_test::value_error([&] { st.load_state_dict(d); }),
+              HasSubstr("saved by rank 5 of 1"));
+  st.load_state_dict(d, /*allow_reshard=*/true);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleMock(&argc, argv);
+  // Rank threads are the parallelism here; intra-op threads would only oversubscribe.
+  at::set_num_threads(1);
+  return RUN_ALL_TESTS();
+}
