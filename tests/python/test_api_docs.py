@@ -125,7 +125,7 @@ def run_python_api() -> dict:
 
 
 _DIRECTIVE = re.compile(r"^\.\. (auto|py:)?(module|function|class|data|exception|attribute|method)"
-                        r"::\s+(\S+)\s*$")
+                        r"::\s+([\w.]+)(?:\(.*\))?\s*$")
 
 
 def page_directives(module_name: str):

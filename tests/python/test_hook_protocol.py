@@ -128,6 +128,7 @@ MODULES = {
     "ddp_zero_hook": ["hook_with_zero_step", "hook_with_zero_step_interleaved"],
     "zero_reduce_scatter_hook": ["reduce_scatter_hook"],
     "quantization_hooks": ["quantization_pertensor_hook", "quantization_perchannel_hook"],
+    "quantized_hook": ["QuantizedState", "quantized_hook"],
     "_native": ["register_comm_hook", "native_hook"],
     "_hook_type": ["DDPCommHookType", "register_ddp_comm_hook"],
 }

@@ -19,6 +19,7 @@ from ._native import HookFn, register_comm_hook
 from .default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .quantization_hooks import quantization_perchannel_hook, quantization_pertensor_hook
+from .quantized_hook import QuantizedState, quantized_hook
 
 __all__ = ["DDPCommHookType", "register_ddp_comm_hook"]
 
@@ -59,6 +60,11 @@ def _register_powerSGD_hook(comm_hook: HookFn, model: Any, state: Any,
                          start_powerSGD_iter=start_powerSGD_iter)
 
 
+def _quantized_member(bits: int) -> Any:
+    return _enum_member(functools.partial(_register_with_state, comm_hook=quantized_hook,
+                                          state_class=QuantizedState, bits=bits))
+
+
 def _hook_member(comm_hook: HookFn) -> Any:
     return _enum_member(functools.partial(_register_hook, comm_hook=comm_hook))
 
@@ -90,12 +96,18 @@ class DDPCommHookType(enum.Enum):
     BATCHED_POWER_SGD          ``batched_powerSGD_hook``, rank 1
     BATCHED_POWER_SGD_RANK2    ``batched_powerSGD_hook``, rank 2
     NOOP                       ``noop_hook``: no communication (for measurements only)
+    QUANTIZED_8BIT             ddpx's ``quantized_hook`` with ``QuantizedState(process_group=state,
+                               bits=8)`` (error feedback, blocks of 256, from iteration 10)
+    QUANTIZED_4BIT             the same with ``bits=4``
+    QUANTIZED_2BIT             the same with ``bits=2``
+    QUANTIZED_1BIT             the same with ``bits=1`` (signs)
     ========================== ===================================================================
 
-    ddpx's own hooks have no member yet: ``post_localSGD_hook`` needs a ``subgroup`` and a
+    The other hooks of ddpx have no member: ``post_localSGD_hook`` needs a ``subgroup`` and a
     ``start_localSGD_iter`` that no default fits, and ``reduce_scatter_hook`` (like
     ``hook_with_zero_step``) takes a ``ZeroRedundancyOptimizer`` as its state, not a process
-    group.
+    group. A member's value takes the state's options as keywords, as torch's PowerSGD members
+    do: ``DDPCommHookType.QUANTIZED_4BIT.value(model=m, state=None, block_size=128)``.
 
     Example::
         >>> ddpx.hooks.register_ddp_comm_hook(DDPCommHookType.POWER_SGD, ddp_model)
@@ -104,23 +116,39 @@ class DDPCommHookType(enum.Enum):
     """
 
     # torch's members, in torch's order.
+    #: ``allreduce_hook``: the mean of the gradients, torch's bits (fp32).
     ALLREDUCE = _hook_member(allreduce_hook)
+    #: ``fp16_compress_hook``: the gradients travel as fp16.
     FP16_COMPRESS = _hook_member(fp16_compress_hook)
+    #: ``bf16_compress_hook``: the gradients travel as bf16 (Gloo and CPU too).
     BF16_COMPRESS = _hook_member(bf16_compress_hook)
+    #: ``quantization_pertensor_hook``: uint8 with one scale per bucket.
     QUANTIZE_PER_TENSOR = _hook_member(quantization_pertensor_hook)
+    #: ``quantization_perchannel_hook``: uint8 with a scale per 512 values.
     QUANTIZE_PER_CHANNEL = _hook_member(quantization_perchannel_hook)
+    #: ``powerSGD_hook``, rank 1, compressing from iteration 1000.
     POWER_SGD = _powerSGD_member(powerSGD_hook, 1)
-    # Rank 2 is more accurate than rank 1, and slower.
+    #: ``powerSGD_hook``, rank 2: more accurate than rank 1, and slower.
     POWER_SGD_RANK2 = _powerSGD_member(powerSGD_hook, 2)
+    #: ``batched_powerSGD_hook``, rank 1.
     BATCHED_POWER_SGD = _powerSGD_member(batched_powerSGD_hook, 1)
+    #: ``batched_powerSGD_hook``, rank 2.
     BATCHED_POWER_SGD_RANK2 = _powerSGD_member(batched_powerSGD_hook, 2)
+    #: ``noop_hook``: no communication (for measurements only).
     NOOP = _hook_member(noop_hook)
 
-    # ddpx's own hooks go here, after torch's. A hook whose state is a process group:
+    # ddpx's own hooks, after torch's. A hook whose state is a process group:
     # `NAME = _hook_member(hook)`. A hook whose state class takes `process_group` and options:
     # `NAME = _enum_member(functools.partial(_register_with_state, comm_hook=hook,
-    # state_class=StateClass, option=value))`, the options fixed by the member. None fits yet
-    # (see the docstring).
+    # state_class=StateClass, option=value))`, the options fixed by the member.
+    #: ddpx's ``quantized_hook``, 8 bits a value, with error feedback.
+    QUANTIZED_8BIT = _quantized_member(8)
+    #: ddpx's ``quantized_hook``, 4 bits a value, with error feedback.
+    QUANTIZED_4BIT = _quantized_member(4)
+    #: ddpx's ``quantized_hook``, 2 bits a value, with error feedback.
+    QUANTIZED_2BIT = _quantized_member(2)
+    #: ddpx's ``quantized_hook``, 1 bit (the sign) a value, with error feedback.
+    QUANTIZED_1BIT = _quantized_member(1)
 
 
 class _CommHookTypeError(TypeError, AttributeError):

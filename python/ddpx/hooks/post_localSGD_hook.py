@@ -91,10 +91,15 @@ class PostLocalSGDState(NativeState):
     subgroup = native_property(
         "subgroup", _check_subgroup, keep=True,
         doc="The group gradients are averaged in after the warm-up (None: intra-node).")
-    start_localSGD_iter = native_property("start_localSGD_iter")
+    start_localSGD_iter = native_property(
+        "start_localSGD_iter",
+        doc="The iteration from which gradients are averaged within the subgroup only.")
     post_local_gradient_allreduce = native_property(
-        "post_local_gradient_allreduce", lambda name, value: bool(value))
-    iter = native_property("iter")
+        "post_local_gradient_allreduce", lambda name, value: bool(value),
+        doc="Whether gradients are averaged within the subgroup after the warm-up "
+            "(False: not at all).")
+    iter = native_property(
+        "iter", doc="Iterations counted so far (the count stops at start_localSGD_iter).")
 
     # -- checkpointing (state_dict, load_state_dict, pickling: NativeState) --------------------
     def __setstate__(self, state: Dict[str, Any]) -> None:

@@ -209,12 +209,16 @@ class PowerSGDState(NativeState):
 
     # -- torch's attributes (the hyperparameters are set up below the class) -------------------
     process_group = process_group_property(_WHO)
-    iter = native_property("iter", _check_int)
-    total_numel_before_compression = native_property("total_numel_before_compression",
-                                                     readonly=True)
-    total_numel_after_compression = native_property("total_numel_after_compression",
-                                                    readonly=True)
-    next_stats_report = native_property("next_stats_report", readonly=True)
+    iter = native_property("iter", _check_int, doc="Iterations counted so far (settable).")
+    total_numel_before_compression = native_property(
+        "total_numel_before_compression", readonly=True,
+        doc="Values the compressed tensors held before compression, summed over the steps.")
+    total_numel_after_compression = native_property(
+        "total_numel_after_compression", readonly=True,
+        doc="Values of their P and Q factors, summed over the steps.")
+    next_stats_report = native_property(
+        "next_stats_report", readonly=True,
+        doc="The iteration of the next compression-stats log line.")
     error_dict = native_property(
         "error_dict", get=lambda cpp, name: cpp.error_dict(), readonly=True,
         doc="Error-feedback residuals per parameter (views of the live buffers).")

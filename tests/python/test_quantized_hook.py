@@ -1,0 +1,263 @@
+"""ddpx.hooks.QuantizedState and quantized_hook through real DDP models on 2-3 Gloo ranks: the
+drop-in and native registrations give the same gradients bit for bit and every rank the same
+ones; before start_iter the hook is allreduce_hook, bit for bit; 16-bit models and the compress
+wrappers work; a checkpoint (per-rank state_dict, and pickling) resumes bit for bit; training
+with every bit width converges. The kernels' closed forms are tested in C++
+(tests/cpp/test_quantized.cpp).
+
+Each scenario runs once (one launch of W ranks) and the tests read its results, so
+``pytest -k`` selects one scenario.
+"""
+import functools
+import inspect
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_cases as dc
+import ddpx
+from dist_utils import catch, run_ranks
+
+STEPS = 6
+START = 2
+REL_ERROR = {8: 0.05, 4: 0.3, 2: 1.5, 1: 2.0}
+
+
+def _register(ddp: DDP, kind: str, state) -> None:
+    if kind == "native":
+        ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
+    elif kind == "dropin":
+        ddp.register_comm_hook(state, ddpx.hooks.quantized_hook)
+    elif kind == "fp16_wrap":
+        ddpx.register_comm_hook(ddp, state, ddpx.hooks.fp16_compress_wrapper(
+            ddpx.hooks.quantized_hook))
+    elif kind == "allreduce":
+        ddpx.register_comm_hook(ddp, None, ddpx.hooks.allreduce_hook)
+    else:
+        raise ValueError(kind)
+
+
+def _train(rank: int, ddp: DDP, steps, dtype=torch.float32, opt=None):
+    grads = []
+    for step in steps:
+        ddp.zero_grad()
+        x, y = dc.make_batch(rank, step, dtype)
+        dc.loss_fn(ddp, x, y).backward()
+        grads.append(dc.flat_grad(ddp))
+        if opt is not None:
+            opt.step()
+    return grads
+
+
+def rank_grads(rank: int, world_size: int, bits: int, dtype: torch.dtype, stochastic: bool):
+    out = {}
+    for kind in ("native", "dropin", "allreduce") + (("fp16_wrap",) if dtype == torch.float32
+                                                     else ()):
+        dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
+        ddp = DDP(dc.make_model(dtype), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+        state = ddpx.hooks.QuantizedState(bits=bits, block_size=32, start_iter=START,
+                                          stochastic_rounding=stochastic)
+        _register(ddp, kind, state)
+        out[kind] = _train(rank, ddp, range(STEPS), dtype)
+    return out
+
+
+SCENARIOS = [(2, 8, torch.float32, False), (3, 4, torch.float32, False),
+             (2, 1, torch.float32, False), (3, 2, torch.float32, True),
+             (2, 8, torch.float16, False), (2, 4, torch.bfloat16, True)]
+
+
+@functools.lru_cache(maxsize=None)
+def grads_of(world_size, bits, dtype, stochastic):
+    return run_ranks(rank_grads, world_size, args=(bits, dtype, stochastic))
+
+
+@pytest.mark.parametrize("world_size,bits,dtype,stochastic", SCENARIOS,
+                         ids=[f"W{w}-{b}bit-{str(d)[6:]}{'-sr' if s else ''}"
+                              for w, b, d, s in SCENARIOS])
+def test_dropin_native_and_ranks_agree(world_size, bits, dtype, stochastic):
+    res = grads_of(world_size, bits, dtype, stochastic)
+    for rank in range(world_size):
+        for step in range(STEPS):
+            native = res[rank]["native"][step]
+            assert native.dtype == dtype
+            assert torch.equal(native, res[rank]["dropin"][step]), (rank, step)
+            assert torch.equal(native, res[0]["native"][step]), (rank, step)
+            allreduce = res[rank]["allreduce"][step]
+            if step < START:
+                # The warm-up is allreduce_hook's mean, bit for bit.
+                assert torch.equal(native, allreduce), (rank, step)
+            elif step == START:
+                # The first quantized step (residuals still zero): near the mean, not equal to
+                # it. Relative L2 error, loose bounds of the two levels' errors. (Later steps
+                # add the residuals' changes, e_{t-1} - e_t, which the C++ tests bound.)
+                diff = (native.double() - allreduce.double()).norm().item()
+                rel = diff / allreduce.double().norm().item()
+                # Stochastic rounding trades a larger error for no bias: twice the bound.
+                assert 0 < rel <= REL_ERROR[bits] * (2 if stochastic else 1), (rank, step, rel)
+        if "fp16_wrap" in res[rank]:
+            # The wrapper quantizes the fp16 cast of the bucket: close to the fp32 hook's.
+            wrapped = res[rank]["fp16_wrap"][STEPS - 1]
+            assert torch.isfinite(wrapped).all()
+            assert torch.equal(wrapped, res[0]["fp16_wrap"][STEPS - 1])
+
+
+def rank_resume(rank: int, world_size: int, path: str, via_pickle: bool):
+    """Trains 6 steps; saves after 3 (model, optimizer, hook state: per rank); a new DDP model
+    and state loaded from the files trains steps 3-5 again."""
+    def build():
+        dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
+        ddp = DDP(dc.make_model(), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        return ddp, opt
+
+    ddp, opt = build()
+    state = ddpx.hooks.QuantizedState(bits=2, block_size=16, start_iter=1,
+                                      stochastic_rounding=True)
+    ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
+    _train(rank, ddp, range(3), opt=opt)
+    saved = {"model": ddp.state_dict(), "opt": opt.state_dict(),
+             "hook": pickle.dumps(state) if via_pickle else state.state_dict()}
+    torch.save(saved, f"{path}.{rank}")
+    original = _train(rank, ddp, range(3, 6), opt=opt)
+
+    ddp2, opt2 = build()
+    loaded = torch.load(f"{path}.{rank}", weights_only=False)
+    ddp2.load_state_dict(loaded["model"])
+    opt2.load_state_dict(loaded["opt"])
+    if via_pickle:
+        state2 = pickle.loads(loaded["hook"])
+    else:
+        state2 = ddpx.hooks.QuantizedState()
+        state2.load_state_dict(loaded["hook"])
+    assert state2.bits == 2 and state2.iter == 3
+    ddpx.register_comm_hook(ddp2, state2, ddpx.hooks.quantized_hook)
+    resumed = _train(rank, ddp2, range(3, 6), opt=opt2)
+    # Another rank's file is refused, with the way out in the message.
+    other = torch.load(f"{path}.{(rank + 1) % world_size}", weights_only=False)["hook"]
+    err = None if via_pickle else catch(lambda: ddpx.hooks.QuantizedState().load_state_dict(other))
+    return original, resumed, err
+
+
+@pytest.mark.parametrize("via_pickle", [False, True], ids=["state_dict", "pickle"])
+def test_checkpoint_resumes_bit_for_bit(tmp_path, via_pickle):
+    res = run_ranks(rank_resume, 2, args=(str(tmp_path / "ckpt"), via_pickle))
+    for rank, (original, resumed, err) in enumerate(res):
+        for step, (a, b) in enumerate(zip(original, resumed)):
+            assert torch.equal(a, b), (rank, step)
+        if not via_pickle:
+            assert err is not None and err[0] == "ValueError" and "allow_reshard" in err[1], err
+
+
+def rank_converge(rank: int, world_size: int, bits: int):
+    """Full-batch regression on a fixed teacher, 150 steps of SGD with momentum: the initial and
+    final losses of allreduce and of the quantized hook, the same data and steps."""
+    losses = {}
+    for kind in ("allreduce", "ef"):
+        dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
+        ddp = DDP(dc.make_model(), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+        if kind != "allreduce":
+            state = ddpx.hooks.QuantizedState(bits=bits, block_size=64, start_iter=5,
+                                              use_error_feedback=True)
+            ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
+        x, y = dc.make_batch(rank, 0)
+        with torch.no_grad():
+            losses["initial"] = dc.loss_fn(ddp, x, y).item()
+        for _ in range(150):
+            opt.zero_grad()
+            dc.loss_fn(ddp, x, y).backward()
+            opt.step()
+        with torch.no_grad():
+            losses[kind] = dc.loss_fn(ddp, x, y).item()
+    return losses
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2, 1])
+def test_training_converges_with_error_feedback(bits):
+    res = run_ranks(rank_converge, 2, args=(bits,))
+    for losses in res:
+        if bits >= 2:
+            # 8 and 4 bits within 2% of allreduce's final loss, 2 bits within 5% (the issue's
+            # accuracy targets, on this small problem).
+            tol = 0.02 if bits >= 4 else 0.05
+            assert losses["ef"] <= losses["allreduce"] * (1 + tol) + 1e-5, losses
+        else:
+            # 1 bit trains: more than an order of magnitude below the start. (Whether error
+            # feedback helps at a fixed small step count depends on the rank's batch here; the
+            # C++ tests show what it guarantees: averages that converge to the mean.)
+            assert losses["ef"] <= losses["initial"] / 15, losses
+
+
+def rank_api(rank: int, world_size: int):
+    st = ddpx.hooks.QuantizedState()
+    checks = {
+        "repr": repr(st),
+        "slots": list(type(st).__slots__),
+        "no_dict": not hasattr(st, "__dict__"),
+        "bits3": catch(lambda: ddpx.hooks.QuantizedState(bits=3)),
+        "block12": catch(lambda: ddpx.hooks.QuantizedState(block_size=12)),
+        "start": catch(lambda: ddpx.hooks.QuantizedState(start_iter=-1)),
+        "str_bits": catch(lambda: ddpx.hooks.QuantizedState(bits="8")),
+        "misspelt": catch(lambda: setattr(st, "bit", 4)),
+        "set_bad": catch(lambda: setattr(st, "bits", 5)),
+        "wrong_state": catch(lambda: ddpx.register_comm_hook(
+            DDP(dc.make_model()), dist.group.WORLD, ddpx.hooks.quantized_hook)),
+    }
+    st.bits = 4
+    st.stochastic_rounding = True
+    st.iter = 7
+    checks["after_set"] = (st.bits, st.stochastic_rounding, st.iter, st.state_dict()["bits"])
+    return checks
+
+
+def test_state_api_follows_torchs_conventions():
+    (c,) = run_ranks(rank_api, 1)
+    params = inspect.signature(ddpx.hooks.QuantizedState).parameters
+    assert list(params) == ["process_group", "bits", "block_size", "use_error_feedback",
+                            "start_iter", "random_seed", "stochastic_rounding"]
+    assert [p.default for p in params.values()] == [None, 8, 256, True, 10, 0, False]
+    assert c["slots"] == ["process_group", "bits", "block_size", "use_error_feedback",
+                          "start_iter", "random_seed", "stochastic_rounding", "iter"]
+    assert c["no_dict"]
+    assert "bits=8" in c["repr"]
+    for key, kind, text in [("bits3", "ValueError", "bits must be 1, 2, 4 or 8, got 3"),
+                            ("block12", "ValueError", "block_size must be a multiple of 8"),
+                            ("start", "ValueError", "start_iter must be >= 0"),
+                            ("str_bits", "TypeError", "bits must be an int"),
+                            ("misspelt", "AttributeError", "bit"),
+                            ("set_bad", "ValueError", "got 5"),
+                            ("wrong_state", "TypeError", "QuantizedState")]:
+        assert c[key] is not None and c[key][0] == kind and text in c[key][1], (key, c[key])
+    assert c["after_set"] == (4, True, 7, 4)
+    assert list(inspect.signature(ddpx.hooks.quantized_hook).parameters) == ["state", "bucket"]
+
+
+def rank_by_name(rank: int, world_size: int):
+    """DDPCommHookType's quantized members register quantized_hook with a QuantizedState of
+    their bits; the member's value takes the state's options, as torch's PowerSGD members do."""
+    out = {}
+    for kind in ("member", "explicit"):
+        dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
+        ddp = DDP(dc.make_model(), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+        if kind == "member":
+            ddpx.hooks.DDPCommHookType.QUANTIZED_4BIT.value(model=ddp, state=None, start_iter=1)
+        else:
+            state = ddpx.hooks.QuantizedState(bits=4, start_iter=1)
+            ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
+        out[kind] = _train(rank, ddp, range(3))
+    dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
+    ddp = DDP(dc.make_model(), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+    ddpx.hooks.register_ddp_comm_hook(ddpx.hooks.DDPCommHookType.QUANTIZED_1BIT, ddp)
+    out["default"] = _train(rank, ddp, range(2))
+    return out
+
+
+def test_comm_hook_type_members():
+    for r in run_ranks(rank_by_name, 2):
+        for a, b in zip(r["member"], r["explicit"]):
+            assert torch.equal(a, b)
+        assert all(torch.isfinite(g).all() for g in r["default"])
