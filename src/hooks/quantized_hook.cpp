@@ -469,13 +469,18 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
         const int64_t world = L.world, own_bytes = from_owners[0];
         at::Tensor send2 = pool.acquire(world * own_bytes, buffer.options());
         if (own_bytes > 0) {
-          at::Tensor mean = at::empty({L.owned.size() * block}, buffer.options().dtype(at::kFloat));
+          // The owned means in fp32, in a reused buffer (a fresh one would fault its pages in
+          // every step).
+          const at::Tensor mean_bytes = pool.acquire(L.owned.size() * block * 4, buffer.options());
+          const at::Tensor mean = mean_bytes.view(at::kFloat);
           ops::dequantize_sum_into(recv.view({world, own_bytes}), L.owned, bits, block,
                                    1.0f / static_cast<float>(world), mean);
           ops::quantize_ef_into(mean, server, L.owned, server_spec, send2.narrow(0, 0, own_bytes));
           for (int64_t r = 1; r < world; ++r) {
             send2.narrow(0, r * own_bytes, own_bytes).copy_(send2.narrow(0, 0, own_bytes));
           }
+          comm::keep_until_current_stream_done(mean_bytes);
+          pool.release(mean_bytes);
         }
         comm::keep_until_current_stream_done(send);
         comm::keep_until_current_stream_done(recv);

@@ -12,6 +12,17 @@
 #include "quantize_ef.h"
 #include "quantize_ef_inl.h"
 
+// The exported entry points are compiled twice on x86-64, for AVX2 and for the baseline (SSE2),
+// and the loader picks one per machine (GCC's target_clones); flatten inlines the loops into each
+// clone. The arithmetic is IEEE single precision either way: only the 1-bit mean scale's
+// summation order, and so its last bits, differs between the two (each rank sends the scales it
+// used, so ranks never disagree).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DDPX_QEF_CLONES __attribute__((target_clones("avx2", "default"), flatten))
+#else
+#define DDPX_QEF_CLONES
+#endif
+
 namespace ddpx {
 namespace kernels {
 namespace {
@@ -38,13 +49,35 @@ struct LoadBF16 {
   static float load(uint16_t v) { return detail::bf16_to_float(v); }
 };
 
-template <typename L>
+// Packs the codes of one block (PER = 8 / BITS to a byte, little end first).
+template <int BITS>
+inline void pack_codes(const uint8_t* code, int64_t block_bytes, uint8_t* out) {
+  constexpr int kPer = 8 / BITS;
+  if (BITS == 8) {
+    std::memcpy(out, code, static_cast<size_t>(block_bytes));
+    return;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < block_bytes; ++j) {
+    uint32_t byte = 0;
+    for (int k = 0; k < kPer; ++k) byte |= static_cast<uint32_t>(code[j * kPer + k]) << (k * BITS);
+    out[j] = static_cast<uint8_t>(byte);
+  }
+}
+
+template <int BITS>
+inline float decode_fixed(uint32_t code, float scale) {
+  if (BITS == 1) return code ? scale : -scale;
+  return detail::q_mul(static_cast<float>(static_cast<int32_t>(code) - (1 << (BITS - 1))), scale);
+}
+
+template <int BITS, typename L>
 void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* refs, int64_t first,
                      int64_t last, const QuantSpec& spec, float* scales, uint8_t* codes) {
-  const int bits = spec.bits;
   const int64_t block = spec.block;
-  const int64_t block_bytes = packed_block_bytes(bits, block);
-  const int per = 8 / bits;
+  const int64_t block_bytes = packed_block_bytes(BITS, block);
+  constexpr uint32_t kZero = BITS == 1 ? 0u : 1u << (BITS - 1);
+  constexpr float kQmax = BITS == 1 ? 1.0f : static_cast<float>((1 << (BITS - 1)) - 1);
   // One block's values and codes; thread_local so that threads running other block ranges of the
   // same message do not share them.
   thread_local std::vector<float> v;
@@ -87,61 +120,106 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
       if (rb) std::fill(rb, rb + len, 0.0f);
       continue;
     }
-    const float scale = detail::block_scale(bits, spec.stochastic, absmax, abssum, len);
+    const float scale = detail::block_scale(BITS, spec.stochastic, absmax, abssum, len);
+    const float inv = detail::inverse_scale(scale);
     scales[b] = scale;
     uint8_t* cv = code.data();
     if (spec.stochastic) {
       const uint64_t base = refs[b].draw;
       for (int64_t i = 0; i < len; ++i) {
         const float u = detail::uniform01(spec.seed, spec.stream, base + static_cast<uint64_t>(i));
-        cv[i] = static_cast<uint8_t>(detail::encode(vb[i], scale, bits, true, u));
+        cv[i] = static_cast<uint8_t>(detail::encode(vb[i], scale, inv, BITS, true, u));
+      }
+      if (rb) {
+        for (int64_t i = 0; i < len; ++i) {
+          rb[i] = detail::q_add(vb[i], -decode_fixed<BITS>(cv[i], scale));
+        }
+      }
+    } else if (BITS == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) cv[i] = vb[i] >= 0.0f ? 1 : 0;
+      if (rb) {
+#pragma omp simd
+        for (int64_t i = 0; i < len; ++i)
+          rb[i] = detail::q_add(vb[i], vb[i] >= 0.0f ? -scale : scale);
       }
     } else {
+      // Nearest level: the same arithmetic as detail::encode, in a loop GCC vectorises.
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {
-        cv[i] = static_cast<uint8_t>(detail::encode(vb[i], scale, bits, false, 0.0f));
+        float q = detail::round_even(detail::q_mul(vb[i], inv));
+        q = q > kQmax ? kQmax : (q < -kQmax ? -kQmax : q);
+        cv[i] = static_cast<uint8_t>(static_cast<int32_t>(q) + static_cast<int32_t>(kZero));
+        if (rb) rb[i] = detail::q_add(vb[i], -detail::q_mul(q, scale));
       }
     }
     // The short last block's unused codes are zeros: a message's bytes depend on its values only.
     std::fill(cv + len, cv + block, uint8_t(0));
-    if (rb) {
+    pack_codes<BITS>(cv, block_bytes, cb);
+  }
+}
+
+template <int BITS, typename Store>
+void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const BlockRef* refs,
+                             int64_t first, int64_t last, int64_t block, Store store) {
+  constexpr int kPer = 8 / BITS;
+  const auto* scales = reinterpret_cast<const float*>(message);
+  const uint8_t* codes = message + 4 * blocks;
+  const int64_t block_bytes = packed_block_bytes(BITS, block);
+  thread_local std::vector<float> d;
+  d.resize(static_cast<size_t>(block));
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t begin = refs[b].begin;
+    const int64_t len = refs[b].len;
+    const float scale = scales[b];
+    const uint8_t* cb = codes + b * block_bytes;
+    float* db = d.data();
+    // Byte by byte, its kPer codes unrolled (shifts by constants): contiguous loads that vectorise,
+    // where a code-by-code loop would gather bytes. The short block's padding codes decode too,
+    // into the buffer only.
+    const int64_t bytes = (len + kPer - 1) / kPer;
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) {
-        rb[i] = detail::q_add(vb[i], -detail::decode(cv[i], scale, bits));
+    for (int64_t j = 0; j < bytes; ++j) {
+      const uint32_t byte = cb[j];
+      for (int k = 0; k < kPer; ++k) {
+        db[j * kPer + k] = decode_fixed<BITS>((byte >> (k * BITS)) & ((1u << BITS) - 1u), scale);
       }
     }
-    if (bits == 8) {
-      std::memcpy(cb, cv, static_cast<size_t>(block));
-    } else {
-      for (int64_t j = 0; j < block_bytes; ++j) {
-        uint32_t byte = 0;
-        for (int k = 0; k < per; ++k) byte |= static_cast<uint32_t>(cv[j * per + k]) << (k * bits);
-        cb[j] = static_cast<uint8_t>(byte);
-      }
-    }
+    store(begin, db, len);
   }
 }
 
 template <typename Store>
 void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* refs, int64_t first,
                        int64_t last, int bits, int64_t block, Store store) {
-  const auto* scales = reinterpret_cast<const float*>(message);
-  const uint8_t* codes = message + 4 * blocks;
-  const int64_t block_bytes = packed_block_bytes(bits, block);
-  for (int64_t b = first; b < last; ++b) {
-    const int64_t begin = refs[b].begin;
-    const int64_t len = refs[b].len;
-    const float scale = scales[b];
-    const uint8_t* cb = codes + b * block_bytes;
-    if (bits == 8) {
-#pragma omp simd
-      for (int64_t i = 0; i < len; ++i) store(begin + i, detail::decode(cb[i], scale, 8));
-    } else {
-      for (int64_t i = 0; i < len; ++i) {
-        store(begin + i, detail::decode(detail::unpack_code(cb, i, bits), scale, bits));
-      }
-    }
+  switch (bits) {
+    case 8:
+      return dequantize_blocks_fixed<8>(message, blocks, refs, first, last, block, store);
+    case 4:
+      return dequantize_blocks_fixed<4>(message, blocks, refs, first, last, block, store);
+    case 2:
+      return dequantize_blocks_fixed<2>(message, blocks, refs, first, last, block, store);
+    case 1:
+      return dequantize_blocks_fixed<1>(message, blocks, refs, first, last, block, store);
   }
+  throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
+}
+
+template <typename L>
+void quantize_blocks_any(int bits, const typename L::T* x, float* residual, const BlockRef* refs,
+                         int64_t first, int64_t last, const QuantSpec& spec, float* scales,
+                         uint8_t* codes) {
+  switch (bits) {
+    case 8:
+      return quantize_blocks<8, L>(x, residual, refs, first, last, spec, scales, codes);
+    case 4:
+      return quantize_blocks<4, L>(x, residual, refs, first, last, spec, scales, codes);
+    case 2:
+      return quantize_blocks<2, L>(x, residual, refs, first, last, spec, scales, codes);
+    case 1:
+      return quantize_blocks<1, L>(x, residual, refs, first, last, spec, scales, codes);
+  }
+  throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
 }
 
 }  // namespace
@@ -154,26 +232,28 @@ int64_t quantized_message_bytes(int64_t blocks, int bits, int64_t block) {
   return (4 * blocks + blocks * packed_block_bytes(bits, block) + 15) / 16 * 16;
 }
 
+DDPX_QEF_CLONES
 void quantize_ef_blocks_cpu(const void* x, DType t, float* residual, const BlockRef* refs,
                             int64_t first, int64_t last, const QuantSpec& spec, float* scales,
                             uint8_t* codes) {
   switch (t) {
     case DType::kFloat32:
-      return quantize_blocks<LoadF32>(static_cast<const float*>(x), residual, refs, first, last,
-                                      spec, scales, codes);
+      return quantize_blocks_any<LoadF32>(spec.bits, static_cast<const float*>(x), residual, refs,
+                                          first, last, spec, scales, codes);
     case DType::kFloat64:
-      return quantize_blocks<LoadF64>(static_cast<const double*>(x), residual, refs, first, last,
-                                      spec, scales, codes);
+      return quantize_blocks_any<LoadF64>(spec.bits, static_cast<const double*>(x), residual, refs,
+                                          first, last, spec, scales, codes);
     case DType::kFloat16:
-      return quantize_blocks<LoadF16>(static_cast<const uint16_t*>(x), residual, refs, first, last,
-                                      spec, scales, codes);
+      return quantize_blocks_any<LoadF16>(spec.bits, static_cast<const uint16_t*>(x), residual,
+                                          refs, first, last, spec, scales, codes);
     case DType::kBFloat16:
-      return quantize_blocks<LoadBF16>(static_cast<const uint16_t*>(x), residual, refs, first, last,
-                                       spec, scales, codes);
+      return quantize_blocks_any<LoadBF16>(spec.bits, static_cast<const uint16_t*>(x), residual,
+                                           refs, first, last, spec, scales, codes);
   }
   bad_dtype(t);
 }
 
+DDPX_QEF_CLONES
 void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
                                int bits, int64_t block, float post_scale, float* dst) {
@@ -182,7 +262,11 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
   }
   for (int64_t r = 0; r < count; ++r) {
     dequantize_blocks(messages + r * message_bytes, blocks, refs, first, last, bits, block,
-                      [dst](int64_t i, float d) { dst[i] = detail::q_add(dst[i], d); });
+                      [dst](int64_t at, const float* d, int64_t len) {
+                        float* o = dst + at;
+#pragma omp simd
+                        for (int64_t i = 0; i < len; ++i) o[i] = detail::q_add(o[i], d[i]);
+                      });
   }
   for (int64_t b = first; b < last; ++b) {
     float* d = dst + refs[b].begin;
@@ -190,6 +274,7 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
   }
 }
 
+DDPX_QEF_CLONES
 void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRef* refs,
                            int64_t first, int64_t last, int bits, int64_t block, void* dst,
                            DType dst_t) {
@@ -197,22 +282,34 @@ void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRe
     case DType::kFloat32: {
       float* d = static_cast<float*>(dst);
       return dequantize_blocks(message, blocks, refs, first, last, bits, block,
-                               [d](int64_t i, float v) { d[i] = v; });
+                               [d](int64_t at, const float* v, int64_t len) {
+                                 std::memcpy(d + at, v, static_cast<size_t>(len) * sizeof(float));
+                               });
     }
     case DType::kFloat64: {
       double* d = static_cast<double*>(dst);
       return dequantize_blocks(message, blocks, refs, first, last, bits, block,
-                               [d](int64_t i, float v) { d[i] = v; });
+                               [d](int64_t at, const float* v, int64_t len) {
+                                 for (int64_t i = 0; i < len; ++i) d[at + i] = v[i];
+                               });
     }
     case DType::kFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
       return dequantize_blocks(message, blocks, refs, first, last, bits, block,
-                               [d](int64_t i, float v) { d[i] = detail::float_to_half(v); });
+                               [d](int64_t at, const float* v, int64_t len) {
+                                 for (int64_t i = 0; i < len; ++i) {
+                                   d[at + i] = detail::float_to_half(v[i]);
+                                 }
+                               });
     }
     case DType::kBFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
       return dequantize_blocks(message, blocks, refs, first, last, bits, block,
-                               [d](int64_t i, float v) { d[i] = detail::float_to_bf16(v); });
+                               [d](int64_t at, const float* v, int64_t len) {
+                                 for (int64_t i = 0; i < len; ++i) {
+                                   d[at + i] = detail::float_to_bf16(v[i]);
+                                 }
+                               });
     }
   }
   bad_dtype(dst_t);

@@ -84,6 +84,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
   const bool bad = sbad[0] != 0;
   const float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
   if (threadIdx.x == 0) scales[b] = scale;
+  const float inv = detail::inverse_scale(scale);
   const int per = 8 / bits;
   const int64_t block_bytes = block * bits / 8;
   uint8_t* cb = codes + b * block_bytes;
@@ -100,7 +101,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
       const float u = spec.stochastic ? detail::uniform01(spec.seed, spec.stream,
                                                           draw + static_cast<uint64_t>(i))
                                       : 0.0f;
-      const uint32_t code = detail::encode(v, scale, bits, spec.stochastic, u);
+      const uint32_t code = detail::encode(v, scale, inv, bits, spec.stochastic, u);
       if (residual) residual[begin + i] = detail::q_add(v, -detail::decode(code, scale, bits));
       byte |= code << (k * bits);
     }

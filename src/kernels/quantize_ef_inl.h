@@ -39,18 +39,28 @@ DDPX_QUANT_INLINE float block_scale(int bits, bool stochastic, float absmax, flo
   return q_div(absmax, qmax_of(bits));
 }
 
-// The code of a finite value v of a finite block with scale `scale` (0 included). `u`: the
-// uniform draw (stochastic rounding only).
-DDPX_QUANT_INLINE uint32_t encode(float v, float scale, int bits, bool stochastic, float u) {
+// 1 / scale, or 0 for a zero scale or one so small (denormal) that its inverse overflows: the
+// block then sends zeros and keeps its values in the residual. Values are encoded by a product
+// with it (a division per value would cost several times more); the product differs from
+// v / scale by at most an ulp, so the code is the nearest level up to a tie, and the error
+// bounds of quantize_ef.h hold.
+DDPX_QUANT_INLINE float inverse_scale(float scale) {
+  const float inv = scale > 0.0f ? q_div(1.0f, scale) : 0.0f;
+  return inv <= 3.4028234663852886e+38f ? inv : 0.0f;
+}
+
+// The code of a finite value v of a finite block with scale `scale` (0 included; `inv` its
+// inverse_scale). `u`: the uniform draw (stochastic rounding only).
+DDPX_QUANT_INLINE uint32_t encode(float v, float scale, float inv, int bits, bool stochastic,
+                                  float u) {
   if (bits == 1) {
     if (!stochastic || scale == 0.0f) return v >= 0.0f ? 1u : 0u;
     // P(code 1) = (1 + v / scale) / 2, so E[decode] = v.
-    const float p = q_mul(q_add(1.0f, q_div(v, scale)), 0.5f);
+    const float p = q_mul(q_add(1.0f, q_mul(v, inv)), 0.5f);
     return u < p ? 1u : 0u;
   }
-  if (scale == 0.0f) return zero_code(bits);
   const float qmax = qmax_of(bits);
-  float q = q_div(v, scale);
+  float q = q_mul(v, inv);
   // |q| <= qmax (up to the rounding of scale), so the float -> integer steps are exact.
   q = stochastic ? floorf(q_add(q, u)) : round_even(q);
   q = q > qmax ? qmax : (q < -qmax ? -qmax : q);

@@ -74,7 +74,8 @@ void bind_quantized(py::module& m) {
   m.def(
       "quantize_ef_",
       [](const at::Tensor& x, const c10::optional<at::Tensor>& residual, int bits, int64_t block,
-         bool stochastic, int64_t seed, int64_t stream, int64_t draw_base) {
+         bool stochastic, int64_t seed, int64_t stream, int64_t draw_base,
+         const c10::optional<at::Tensor>& out) {
         kernels::QuantSpec spec;
         spec.bits = bits;
         spec.block = block;
@@ -91,7 +92,7 @@ void bind_quantized(py::module& m) {
       },
       py::arg("x"), py::arg("residual"), py::arg("bits"), py::arg("block"),
       py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("stream") = 0,
-      py::arg("draw_base") = 0,
+      py::arg("draw_base") = 0, py::arg("out") = py::none(),
       "The message of x (plus residual, which receives the new residual when given).");
   m.def(
       "dequantize_",
