@@ -25,8 +25,7 @@ def test_bytes_on_the_wire_are_the_formats(tmp_path, nodes, bits):
     mean = sum(r["sent"] for r in out["rows"]) / len(out["rows"])
     modelled = out["modelled"]
     # Above the payload: TCP/IP headers (well under 4% at full segments), message padding to 16
-    # bytes,
-    # Gloo's framing and the barrier; below it, nothing.
+    # bytes, Gloo's framing and the barrier; below it, nothing.
     print(f"{nodes} nodes, {bits} bits: {mean:.0f} bytes per step per rank, format {modelled:.0f}")
     assert modelled <= mean <= modelled * 1.06, (mean, modelled, out["rows"])
     # And far below allreduce's: 2 (W - 1) / W of the fp32 bucket.
