@@ -1,6 +1,7 @@
-// Tests of the CUDA kernels in src/kernels/{cast,optim,quantize}_cuda.h against the CPU kernels,
-// bit for bit (both round to nearest even; NaN only has to stay NaN, since GPUs return canonical
-// NaNs). Torch-free. Built wherever nvcc is; every case skips when no CUDA device is visible.
+// Tests of the CUDA kernels in src/kernels/{cast,optim,quantize,quantize_ef}_cuda.h against the
+// CPU kernels, bit for bit (both round to nearest even; NaN only has to stay NaN, since GPUs
+// return canonical NaNs). Torch-free. Built wherever nvcc is; every case skips when no CUDA
+// device is visible.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +23,8 @@
 #include "kernels/optim_cuda.h"
 #include "kernels/quantize.h"
 #include "kernels/quantize_cuda.h"
+#include "kernels/quantize_ef.h"
+#include "kernels/quantize_ef_cuda.h"
 
 namespace {
 
@@ -394,6 +397,107 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndChannels, QuantizeCuda,
                                                               DType::kFloat16, DType::kBFloat16),
                                             ::testing::Values<int64_t>(1, 1000, 1024, 300000),
                                             ::testing::Values<int64_t>(0, 16, 512)));
+
+// The block quantization with error feedback (quantized_hook): messages, residuals, sums of
+// messages and dequantized values on the device and on the host, from a table whose blocks come
+// in another order than the values' (as an owner's blocks do) and end with short ones. Bit for
+// bit, except the 1-bit mean scale (its sum is reduced in another order on the device): there
+// the codes are equal and the scales and residuals within a few ulps.
+class QuantizeEfCuda : public ::testing::TestWithParam<std::tuple<int, bool, int64_t>> {};
+
+TEST_P(QuantizeEfCuda, MatchesCpu) {
+  DDPX_SKIP_WITHOUT_GPU();
+  const auto [bits, stochastic, n] = GetParam();
+  const int64_t block = 256;
+  k::QuantSpec spec;
+  spec.bits = bits;
+  spec.block = block;
+  spec.stochastic = stochastic;
+  spec.seed = 7;
+  spec.stream = 3;
+  // Blocks of the values [0, n) in reverse order, the last (short) one first.
+  std::vector<k::BlockRef> refs;
+  for (int64_t begin = 0; begin < n; begin += block) {
+    refs.insert(refs.begin(), {begin, std::min(block, n - begin), 1000 + uint64_t(begin)});
+  }
+  const int64_t blocks = static_cast<int64_t>(refs.size());
+  const int64_t msg_bytes = k::quantized_message_bytes(blocks, bits, block);
+  std::mt19937_64 gen(static_cast<uint64_t>(n * 17 + bits));
+  std::uniform_real_distribution<float> val(-4.0f, 4.0f);
+  std::vector<float> x(static_cast<size_t>(n)), res(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = val(gen);
+    res[i] = val(gen) * 0.01f;
+  }
+  DeviceBuffer x_dev(x.size() * 4), res_dev(res.size() * 4), refs_dev(refs.size() * 24),
+      msg_dev(static_cast<size_t>(msg_bytes));
+  DDPX_ASSERT_CUDA(cudaMemcpy(x_dev.ptr, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  DDPX_ASSERT_CUDA(cudaMemcpy(res_dev.ptr, res.data(), res.size() * 4, cudaMemcpyHostToDevice));
+  DDPX_ASSERT_CUDA(cudaMemcpy(refs_dev.ptr, refs.data(), refs.size() * 24, cudaMemcpyHostToDevice));
+  std::vector<unsigned char> cpu_msg(static_cast<size_t>(msg_bytes)), gpu_msg(cpu_msg.size());
+  std::vector<float> cpu_res = res, gpu_res(res.size());
+  auto* cpu_scales = reinterpret_cast<float*>(cpu_msg.data());
+  k::quantize_ef_blocks_cpu(x.data(), DType::kFloat32, cpu_res.data(), refs.data(), 0, blocks, spec,
+                            cpu_scales, cpu_msg.data() + 4 * blocks);
+  auto* msg = static_cast<uint8_t*>(msg_dev.ptr);
+  DDPX_ASSERT_CUDA(cudaMemset(msg, 0, static_cast<size_t>(msg_bytes)));
+  k::quantize_ef_blocks_cuda(x_dev.ptr, DType::kFloat32, static_cast<float*>(res_dev.ptr),
+                             static_cast<const k::BlockRef*>(refs_dev.ptr), blocks, spec,
+                             reinterpret_cast<float*>(msg), msg + 4 * blocks, nullptr);
+  DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  DDPX_ASSERT_CUDA(cudaMemcpy(gpu_msg.data(), msg, gpu_msg.size(), cudaMemcpyDeviceToHost));
+  DDPX_ASSERT_CUDA(
+      cudaMemcpy(gpu_res.data(), res_dev.ptr, gpu_res.size() * 4, cudaMemcpyDeviceToHost));
+  const size_t code_bytes = static_cast<size_t>(blocks * block * bits / 8);
+  EXPECT_EQ(std::memcmp(cpu_msg.data() + 4 * blocks, gpu_msg.data() + 4 * blocks, code_bytes), 0)
+      << "codes";
+  const bool mean_scale = bits == 1 && !stochastic;
+  const auto* gpu_scales = reinterpret_cast<const float*>(gpu_msg.data());
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (mean_scale) {
+      EXPECT_NEAR(gpu_scales[b], cpu_scales[b], 1e-5f * cpu_scales[b]) << "block " << b;
+    } else {
+      EXPECT_EQ(gpu_scales[b], cpu_scales[b]) << "block " << b;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (mean_scale) {
+      ASSERT_NEAR(gpu_res[i], cpu_res[i], 1e-4f) << "residual " << i;
+    } else {
+      ASSERT_EQ(gpu_res[i], cpu_res[i]) << "residual " << i;
+    }
+  }
+  // Sum of three messages (the host's, three times, with post_scale 1/3) and one decode into
+  // bf16, from the host's message on both sides.
+  std::vector<unsigned char> three;
+  for (int r = 0; r < 3; ++r) three.insert(three.end(), cpu_msg.begin(), cpu_msg.end());
+  DeviceBuffer three_dev(three.size()), sum_dev(x.size() * 4), bf_dev(x.size() * 2);
+  DDPX_ASSERT_CUDA(cudaMemcpy(three_dev.ptr, three.data(), three.size(), cudaMemcpyHostToDevice));
+  std::vector<float> cpu_sum(x.size()), gpu_sum(x.size());
+  k::dequantize_sum_blocks_cpu(three.data(), 3, msg_bytes, blocks, refs.data(), 0, blocks, bits,
+                               block, 1.0f / 3.0f, cpu_sum.data());
+  k::dequantize_sum_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), 3, msg_bytes, blocks,
+                                static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block,
+                                1.0f / 3.0f, static_cast<float*>(sum_dev.ptr), nullptr);
+  std::vector<uint16_t> cpu_bf(x.size()), gpu_bf(x.size());
+  k::dequantize_blocks_cpu(cpu_msg.data(), blocks, refs.data(), 0, blocks, bits, block,
+                           cpu_bf.data(), DType::kBFloat16);
+  k::dequantize_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), blocks,
+                            static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block, bf_dev.ptr,
+                            DType::kBFloat16, nullptr);
+  DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
+  DDPX_ASSERT_CUDA(
+      cudaMemcpy(gpu_sum.data(), sum_dev.ptr, gpu_sum.size() * 4, cudaMemcpyDeviceToHost));
+  DDPX_ASSERT_CUDA(
+      cudaMemcpy(gpu_bf.data(), bf_dev.ptr, gpu_bf.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(cpu_sum.data(), gpu_sum.data(), cpu_sum.size() * 4), 0) << "sum";
+  EXPECT_EQ(std::memcmp(cpu_bf.data(), gpu_bf.data(), cpu_bf.size() * 2), 0) << "decode";
+}
+
+INSTANTIATE_TEST_SUITE_P(BitsAndSizes, QuantizeEfCuda,
+                         ::testing::Combine(::testing::Values(8, 4, 2, 1),
+                                            ::testing::Values(false, true),
+                                            ::testing::Values<int64_t>(1000, 300001)));
 
 // n == 0 launches nothing and writes nothing; bad arguments raise before any launch.
 TEST(CudaKernelApi, EmptyAndBadArguments) {
