@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_localsgd
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as torch_quant
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
@@ -183,6 +184,52 @@ def wire_zero_powersgd(buckets: List[Bucket], ctx: WireContext) -> float:
     return wire_powersgd_fp32(buckets, ctx) + (ctx.world - 1) * sum(shards) / ctx.world
 
 
+def _quantized_blocks(b: Bucket, block_size: int) -> int:
+    """Scale blocks of one bucket for quantized_hook: cut per parameter, `block_size` values
+    each, the last block of a parameter short (one block per bucket row when DDP did not report
+    the layout)."""
+    shapes = b.param_shapes or [torch.Size([b.numel])]
+    return sum(-(-math.prod(s) // block_size) for s in shapes)
+
+
+def wire_quantized(bits: int, block_size: int = 256) -> Callable[[List[Bucket], WireContext],
+                                                                  float]:
+    """ddpx quantized_hook on a quantized step: reduce-scatter style (the codes and the block
+    scales to the owners, the owners' re-quantized means back), 2(W-1)/W x (numel x bits/8 + 4 x
+    blocks) per bucket."""
+    def wire(buckets: List[Bucket], ctx: WireContext) -> float:
+        return sum(ring_allreduce_bytes(1, b.numel * bits / 8 + 4 * _quantized_blocks(
+            b, block_size), ctx.world) for b in buckets)
+    wire.__doc__ = WIRE_QUANTIZED_TEXT
+    return wire
+
+
+WIRE_QUANTIZED_TEXT = (
+    "ddpx quantized_hook (b bits, blocks of 256 values cut per parameter), a quantized step: "
+    "2(W-1)/W x (numel x b/8 + 4 B x blocks), the codes and block scales sent to each chunk's "
+    "owner and the owner's re-quantized mean sent back")
+
+
+def wire_torch_quantization(channel: int) -> Callable[[List[Bucket], WireContext], float]:
+    """torch's quantization hooks: an allgather of each rank's uint8 codes, (W-1) x numel x 1,
+    plus the scale and zero point (per tensor, or per `channel` values with the bucket padded
+    to whole channels), allgathered in fp32."""
+    def wire(buckets: List[Bucket], ctx: WireContext) -> float:
+        total = 0.0
+        for b in buckets:
+            if channel == 0:
+                total += allgather_bytes(b.numel, 1, ctx.world) + allgather_bytes(2, 4, ctx.world)
+            else:
+                rows = -(-b.numel // channel)
+                total += (allgather_bytes(rows * channel, 1, ctx.world)
+                          + allgather_bytes(2 * rows, 4, ctx.world))
+        return total
+    wire.__doc__ = ("torch's quantization hooks: allgather of uint8 codes (W-1) x numel x 1 (per "
+                    "channel: numel padded to whole channels of 512) + the fp32 scales and zero "
+                    "points (2 per tensor or per channel) x (W-1)")
+    return wire
+
+
 WIRE_FOOTNOTES = {
     wire_fp32_allreduce: "fp32 ring allreduce: 2(W-1)/W x numel x 4",
     wire_torch_16bit: "16-bit ring allreduce: 2(W-1)/W x numel x 2",
@@ -251,6 +298,9 @@ class Config:
     zero: bool = False
     # The optimizer steps inside the comm hook (ZeRO's overlap_with_ddp): no opt.step() call.
     overlap: bool = False
+    # quantized_hook rows: the state is a QuantizedState (its start_iter gives the plain
+    # allreduce steps); compression = an fp32 allreduce step's bytes / a quantized step's.
+    quantized: bool = False
 
 
 StateFactory = Callable[[argparse.Namespace], Any]
@@ -291,6 +341,35 @@ def psgd(name: str, registration: str, hook: Callable, rank: int, **kw) -> Confi
     reg = (drop_in if registration == "drop-in" else native)(hook, powersgd_state(state_cls, rank))
     kw.setdefault("wire", wire_powersgd_fp32)
     return Config(f"{name} r={rank}", registration, reg, powersgd=True, **kw)
+
+
+def quantized(registration: str, bits: int, error_feedback: bool = True) -> Config:
+    """A ddpx quantized_hook row: QuantizedState(bits=bits, use_error_feedback=error_feedback,
+    start_iter=--quantized-start), the other arguments their defaults (blocks of 256, nearest
+    rounding, random_seed 0); a fresh state per run."""
+    def state(args: argparse.Namespace) -> Any:
+        return H.QuantizedState(process_group=None, bits=bits,
+                                use_error_feedback=error_feedback,
+                                start_iter=args.quantized_start, random_seed=0)
+
+    reg = (drop_in if registration == "drop-in" else native)(H.quantized_hook, state)
+    name = f"ddpx quantized_hook {bits} bit{'s' if bits > 1 else ''}"
+    if not error_feedback:
+        name += ", no error feedback"
+    return Config(name, registration, reg, wire_quantized(bits), quantized=True)
+
+
+def torch_quantization(channel: int) -> Config:
+    """torch's quantization_pertensor_hook (channel 0) or quantization_perchannel_hook (its
+    default channels of 512), drop-in, with the model in one bucket: they issue their second
+    allgather from a future callback, so with several buckets on Gloo the ranks can disagree on
+    the collective order and hang."""
+    if channel == 0:
+        hook, name = torch_quant.quantization_pertensor_hook, "pertensor"
+    else:
+        hook, name = torch_quant.quantization_perchannel_hook, "perchannel"
+    return Config(f"torch quantization_{name}_hook", "drop-in", drop_in(hook),
+                  wire_torch_quantization(channel), compression=4.0, one_bucket=True)
 
 
 _SUBGROUP: Dict[str, Any] = {}
@@ -473,6 +552,18 @@ CONFIGS: List[Config] = [
     # with DDP's allreduce and with ZeRO-2's reduce-scatter (2 instead of 3 model sizes sent).
     zero_row("ddpx ZeroRedundancyOptimizer, balanced", ddpx_side=True, partition="balanced"),
     zero2_row("ddpx ZeRO-2 reduce_scatter_hook, balanced", partition="balanced"),
+    # ddpx's quantized_hook: 8/4/2/1 bits with two-level error feedback, 8 and 1 without, from
+    # step --quantized-start on (plain allreduce before), DDP's default buckets.
+    quantized("native", 8),
+    quantized("native", 4),
+    quantized("native", 2),
+    quantized("native", 1),
+    quantized("native", 8, error_feedback=False),
+    quantized("native", 1, error_feedback=False),
+    quantized("drop-in", 8),
+    # torch's quantization hooks (uint8 allgathers, no error feedback), each in one bucket.
+    torch_quantization(0),
+    torch_quantization(512),
     Config("ddpx noop_hook", "native", native(H.noop_hook), wire_none, compression=None,
            synchronises=False),
 ]
@@ -788,6 +879,17 @@ class Run:
                 bytes_per_step_run_mean=(
                     len(compressed) * cfg.wire(buckets, ctx) + (len(self.step_ms) - len(compressed))
                     * wire_fp32_allreduce(buckets, ctx)) / len(self.step_ms))
+        if cfg.quantized:
+            compression = wire_fp32_allreduce(buckets, ctx) / cfg.wire(buckets, ctx)
+            plain = min(self.state.start_iter, len(self.step_ms))
+            self.row.update(
+                quantized=dict(bits=self.state.bits, block_size=self.state.block_size,
+                               use_error_feedback=self.state.use_error_feedback,
+                               start_iter=self.state.start_iter, iter=self.state.iter),
+                # Over the whole run, the plain fp32 allreduce steps before start_iter included.
+                bytes_per_step_run_mean=(
+                    (len(self.step_ms) - plain) * cfg.wire(buckets, ctx)
+                    + plain * wire_fp32_allreduce(buckets, ctx)) / len(self.step_ms))
         if cfg.local_sgd:
             ctx, compression = self.local_sgd_wire(args, buckets, ctx)
         if cfg.one_bucket and len(buckets) != 1:
@@ -950,6 +1052,14 @@ def render_markdown(rows, meta) -> str:
             "the ranks can disagree on (gloo::EnforceNotMet or a hang); ddpx's hooks use DDP's "
             "default buckets. torch's batched_powerSGD_hook is not in the table: torch's (1.13, "
             "2.11 and 2.15 alike) fails with an AssertionError in _orthogonalize.")
+    if meta.get("quantized_start") is not None:
+        lines.append(
+            f"- quantized_hook rows: QuantizedState(bits, use_error_feedback, start_iter = "
+            f"{meta['quantized_start']}), block_size 256, nearest rounding; plain fp32 allreduce "
+            "for the first start_iter steps, so the bytes/step and compression above are those "
+            "of a quantized step (the whole-run mean is in results.json). torch's quantization "
+            "hooks run with their DDP model in one bucket: they issue a collective from a "
+            "future callback, which with several buckets on Gloo can hang.")
     notes = meta.get("notes") or []
     for n in notes:
         lines.append(f"- {n}")
@@ -1009,6 +1119,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--powersgd-start", type=int, default=None,
                    help="start_powerSGD_iter of the PowerSGD rows (default: 15%% of the steps)")
+    p.add_argument("--quantized-start", type=int, default=None,
+                   help="quantized_hook's start_iter (default: as --powersgd-start)")
     p.add_argument("--localsgd-start", type=int, default=None,
                    help="start_localSGD_iter (= the averager's warmup_steps) of the post-local "
                    "SGD rows (default: about 20%% of the steps, moved up by at most period-1 "
@@ -1100,6 +1212,8 @@ def main(argv=None) -> int:
     steps = args.epochs * ((len(data[0]) // world) // args.batch_size)
     if args.powersgd_start is None:
         args.powersgd_start = max(2, round(0.15 * steps))
+    if args.quantized_start is None:
+        args.quantized_start = args.powersgd_start
     if args.localsgd_start is None:
         # About 20% of the steps, then moved so that the last step averages (the replicas the
         # test scores are then the averaged model, identical on every rank).
@@ -1230,6 +1344,8 @@ def main(argv=None) -> int:
             model="64-" + "-".join([str(args.hidden)] * args.depth) + "-10",
             n_params=n_params, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
             powersgd_start=(args.powersgd_start if any(c.powersgd for c in configs) else None),
+            quantized_start=(args.quantized_start if any(c.quantized for c in configs)
+                             else None),
             warmup_steps=ok[0]["warmup_steps"] if ok else args.warmup_steps,
             steps_per_config=ok[0]["steps"] if ok else 0,
             buckets=", ".join(f"{b['numel']:,} {b['dtype'].replace('torch.', '')}"
