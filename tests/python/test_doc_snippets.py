@@ -104,12 +104,24 @@ def _hook_type(out: str, folder: str) -> None:
         assert 0 < diffs["FP16_COMPRESS"] < 1e-3, diffs  # fp16 rounding
 
 
+def _quantized(out: str, folder: str) -> None:
+    """Every replica holds the same bits; 8 and 4 bits end at allreduce's solution, 1 bit near."""
+    for rank in (0, 1):
+        pattern = (rf"rank {rank}: (\d)-bit weights within (\d\.\de[+-]\d+) of allreduce's, "
+                   r"replicas identical: (\w+)")
+        found = {int(m.group(1)): (float(m.group(2)), m.group(3)) for m in _lines(out, pattern)}
+        assert sorted(found) == [1, 4, 8], (rank, out)
+        assert all(same == "True" for _, same in found.values()), found
+        assert found[8][0] < 1e-3 and found[4][0] < 1e-3 and found[1][0] < 0.2, found
+
+
 CHECKS: Dict[str, Callable[[str, str], None]] = {
     "quickstart": _quickstart,
     "comm-hooks": lambda out, folder: [
         _each_rank(rf"rank {{rank}}: {dtype} mean within \S+ of the exact mean")(out, folder)
         for dtype in ("fp16", "bf16")],
     "comm-hook-type": _hook_type,
+    "quantized": _quantized,
     "powersgd-resume": _powersgd,
     "post-local-sgd": _each_rank(r"rank {rank}: replicas equal after the averaging step: True"),
     "hierarchical": _each_rank(r"rank {rank}: averaged with every rank at steps 0 and 4"),
