@@ -184,3 +184,65 @@ def test_reduce_scatter_bad_states():
     assert res[0] is not None and "ZeroRedundancyOptimizer" in res[0][1]
     res = get(2, "subset")
     assert res[0] is not None and "not one of the ZeroRedundancyOptimizer" in res[0][1]
+
+
+# ---- quantized messages (bits 8, 4, 2, 1) -------------------------------------------------------
+
+def train_quantized(rank, world_size, bits, ef):
+    """reduce_scatter_hook with bits (through a named function) against the exact one (bits
+    32), SGD, the same model and data: first-step gradients, final parameters, bytes sent."""
+    out = {}
+    for b in (32, bits):
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        zero = ddpx.optim.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05)
+
+        def hook(state, bucket, b=b):
+            return ddpx.hooks.reduce_scatter_hook(state, bucket, bits=b, block_size=16,
+                                                  use_error_feedback=ef)
+        ddp.register_comm_hook(zero, hook)
+        for s in range(STEPS):
+            zero.zero_grad()
+            x, y = batch(rank, s)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if s == 0:
+                grads = torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()])
+            zero.step()
+        hs = zero._reduce_scatter_state
+        out[b] = {"grads": grads.clone(), "params": flat(model), "bytes": hs.sent_bytes,
+                  "elements": hs.sent_elements}
+    return out
+
+
+@pytest.mark.parametrize("world_size,bits,ef", [(2, 8, True), (3, 4, True), (3, 1, True),
+                                                 (2, 8, False)])
+def test_quantized_reduce_scatter(world_size, bits, ef):
+    res = run_ranks(train_quantized, world_size, args=(bits, ef))
+    for rank in range(world_size):
+        exact, quant = res[rank][32], res[rank][bits]
+        # The owner's elements: close to the exact mean (the owner's own part is exact, each
+        # peer's within half a scale per element at 2+ bits); the others zero on both.
+        owned = exact["grads"] != 0
+        assert torch.equal(quant["grads"][~owned], torch.zeros_like(quant["grads"][~owned]))
+        rel = ((quant["grads"] - exact["grads"]).norm() / exact["grads"].norm()).item()
+        assert 0 < rel <= {8: 0.02, 4: 0.3, 1: 1.0}[bits], rel
+        # Training goes where the exact one goes (SGD, 4 steps), and the replicas agree.
+        drift = ((quant["params"] - exact["params"]).norm() / exact["params"].norm()).item()
+        assert drift <= {8: 1e-3, 4: 1e-2, 1: 5e-2}[bits], drift
+        assert torch.equal(quant["params"], res[0][bits]["params"])
+        # Bytes: the same elements, bits / 64 of their fp64 bytes, plus a scale per 16 values
+        # and at most 16 bytes of padding per message.
+        assert quant["elements"] == exact["elements"]
+        assert exact["bytes"] == exact["elements"] * 8
+        messages = STEPS * 3 * (world_size - 1)  # at least 3 buckets a step, one per peer
+        bound = exact["elements"] * (bits / 8 + 4 / 16) + 16 * messages * 3
+        assert exact["elements"] * bits / 8 < quant["bytes"] <= bound, (quant["bytes"], bound)
+
+
+def test_quantized_reduce_scatter_bad_options():
+    import functools
+    for kw, kind, text in [({"bits": 16}, ValueError, "bits must be 32"),
+                           ({"block_size": 12}, ValueError, "block_size"),
+                           ({"bits": "8"}, TypeError, "bits must be an int")]:
+        with pytest.raises(kind, match=text):
+            functools.partial(ddpx.hooks.reduce_scatter_hook, **kw)(None, None)

@@ -39,6 +39,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from .._loader import _C
+
 __all__ = ["reduce_scatter_hook"]
 
 
@@ -71,12 +73,13 @@ class _Layout:
 
 
 class _Pending:
-    """One bucket's reduce-scatter in flight."""
-    __slots__ = ("buffer", "layout", "works", "recvs", "future", "keep")
+    """One bucket's reduce-scatter in flight. ``bits``/``block``: the quantized messages' format
+    (bits 32: the values themselves)."""
+    __slots__ = ("buffer", "layout", "works", "recvs", "future", "keep", "bits", "block")
 
-    def __init__(self, buffer, layout, works, recvs, future, keep):
+    def __init__(self, buffer, layout, works, recvs, future, keep, bits=32, block=0):
         self.buffer, self.layout, self.works, self.recvs = buffer, layout, works, recvs
-        self.future, self.keep = future, keep
+        self.future, self.keep, self.bits, self.block = future, keep, bits, block
 
 
 def _gather(buffer: torch.Tensor, ranges: List[Tuple[int, int]]) -> torch.Tensor:
@@ -96,7 +99,12 @@ def _finish(item: _Pending, rank: int) -> None:
         if mine:
             total = _gather(buffer, mine)  # a view of the bucket for one range, else a copy
             for received in item.recvs:
-                total.add_(received.to(buffer.device, non_blocking=True))
+                received = received.to(buffer.device, non_blocking=True)
+                if item.bits != 32:  # a peer's quantized message: its values, then the sum
+                    values = torch.empty_like(total)
+                    _C.dequantize_(received, item.bits, item.block, values)
+                    received = values
+                total.add_(received)
             if len(mine) > 1:
                 offset = 0
                 for b, e in mine:
@@ -113,12 +121,15 @@ def _finish(item: _Pending, rank: int) -> None:
 
 
 class _HookState:
-    """Per ZeroRedundancyOptimizer: the layouts by bucket and the buckets in flight."""
+    """Per ZeroRedundancyOptimizer: the layouts by bucket, the buckets in flight, and with
+    quantized messages the error-feedback residuals, per bucket layout and owner."""
 
     def __init__(self):
         self.layouts: Dict[Tuple[int, ...], _Layout] = {}
         self.pending: List[_Pending] = []
+        self.residuals: Dict[Tuple[Tuple[int, ...], int], torch.Tensor] = {}
         self.sent_elements = 0  # elements this rank sent (for tests and benchmarks)
+        self.sent_bytes = 0  # bytes of those messages
 
 
 def _state_of(zero: Any) -> _HookState:
@@ -129,12 +140,41 @@ def _state_of(zero: Any) -> _HookState:
     return state
 
 
-def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
+def _check_format(bits: Any, block_size: Any) -> None:
+    who = "ddpx.hooks.reduce_scatter_hook"
+    for name, value in (("bits", bits), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{who}: {name} must be an int, got {type(value).__name__}")
+    if bits not in (32, 8, 4, 2, 1):
+        raise ValueError(f"{who}: bits must be 32 (no quantization), 8, 4, 2 or 1, got {bits}")
+    if block_size < 8 or block_size % 8 or block_size > 1 << 20:
+        raise ValueError(f"{who}: block_size must be a multiple of 8 in [8, 1048576], got "
+                         f"{block_size}")
+
+
+def reduce_scatter_hook(state: Any, bucket: dist.GradBucket, bits: int = 32,
+                        block_size: int = 256, use_error_feedback: bool = True
                         ) -> torch.futures.Future[torch.Tensor]:
     """Reduce-scatters ``bucket`` to the ranks that own its elements under ``state``'s partition
     (``state`` is the ``ddpx.optim.ZeroRedundancyOptimizer`` that steps these parameters): the
-    averaged gradient lands on each element's owner, zeros elsewhere. See the module docstring."""
+    averaged gradient lands on each element's owner, zeros elsewhere. See the module docstring.
+
+    ``bits`` 8, 4, 2 or 1 quantizes what each rank sends an owner as :func:`quantized_hook`
+    does (a scale per ``block_size`` values, symmetric integers, or signs at 1 bit), with error
+    feedback per owner (``use_error_feedback``): the bytes a rank sends shrink by ``32 / bits``
+    (plus 4 bytes of scale per block). The owner adds its own contribution exactly and the
+    peers' dequantized ones, in rank order. Pass the options through a named function (DDP
+    reads a hook's ``__name__``, which a ``functools.partial`` lacks)::
+
+        def hook(state, bucket):
+            return ddpx.hooks.reduce_scatter_hook(state, bucket, bits=8)
+
+        ddp.register_comm_hook(zero, hook)
+
+    Residuals are kept per bucket layout: DDP's rebuild after the first iteration restarts them
+    from zero. ``bits=32`` (the default) sends the values themselves."""
     from .._zero import ZeroRedundancyOptimizer
+    _check_format(bits, block_size)
     zero = state
     if not isinstance(zero, ZeroRedundancyOptimizer):
         raise TypeError("ddpx.hooks.reduce_scatter_hook: the hook's state must be the ddpx.optim."
@@ -150,6 +190,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     if layout is None:
         if bucket.index() == 0:
             hs.layouts.clear()  # DDP rebuilt its buckets
+            hs.residuals.clear()
         layout = hs.layouts[key] = _Layout(zero, params)
     if layout.numel != buffer.numel():
         raise RuntimeError(f"ddpx.hooks.reduce_scatter_hook: bucket {bucket.index()} holds "
@@ -170,11 +211,28 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
             continue
         ops = []
         if layout.counts[peer]:
-            out = _gather(buffer, layout.ranges[peer]).to(wire)
+            out = _gather(buffer, layout.ranges[peer])
+            hs.sent_elements += out.numel()
+            if bits != 32:
+                residual = None
+                if use_error_feedback:
+                    residual = hs.residuals.get((key, peer))
+                    if residual is None:
+                        residual = torch.zeros(out.numel(), dtype=torch.float32,
+                                               device=buffer.device)
+                        hs.residuals[(key, peer)] = residual
+                out = _C.quantize_ef_(out.contiguous(), residual, bits, block_size)
+            out = out.to(wire)
+            hs.sent_bytes += out.numel() * out.element_size()
             keep.append(out)
             ops.append(lambda out=out: pg.send([out], peer, tag))
-            hs.sent_elements += out.numel()
-        if layout.counts[rank]:
+        if layout.counts[rank] and bits != 32:
+            incoming = torch.empty(_C.quantized_message_bytes(layout.counts[rank], bits,
+                                                              block_size),
+                                   dtype=torch.uint8, device=wire)
+            recvs.append(incoming)
+            ops.append(lambda incoming=incoming: pg.recv([incoming], peer, tag))
+        elif layout.counts[rank]:
             incoming = torch.empty(layout.counts[rank], dtype=buffer.dtype, device=wire)
             recvs.append(incoming)
             ops.append(lambda incoming=incoming: pg.recv([incoming], peer, tag))
@@ -183,7 +241,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
         if rank > peer:
             ops.reverse()
         works.extend(op() for op in ops)
-    hs.pending.append(_Pending(buffer, layout, works, recvs, future, keep))
+    hs.pending.append(_Pending(buffer, layout, works, recvs, future, keep, bits, block_size))
     # Complete the buckets whose messages have all arrived (in order, without waiting), and at
     # the last bucket every one, waiting: the backward computation never blocks on a transfer.
     last = bucket.is_last()
