@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_cases as dc
 import ddpx
+import torch_compat as tc
 from dist_utils import catch, run_ranks
 
 STEPS = 6
@@ -79,6 +80,10 @@ def grads_of(world_size, bits, dtype, stochastic):
                          ids=[f"W{w}-{b}bit-{str(d)[6:]}{'-sr' if s else ''}"
                               for w, b, d, s in SCENARIOS])
 def test_dropin_native_and_ranks_agree(world_size, bits, dtype, stochastic):
+    if dtype in (torch.float16, torch.bfloat16) and tc.TORCH_VERSION < (2, 0):
+        # torch 1.13 has no CPU fp16 matmul for the model and no bf16 in Gloo for the warm-up's
+        # allreduce; the hook's 16-bit buckets are tested in C++ (test_quantized).
+        pytest.skip("16-bit CPU models need torch >= 2.0")
     res = grads_of(world_size, bits, dtype, stochastic)
     for rank in range(world_size):
         for step in range(STEPS):
