@@ -108,7 +108,7 @@ def _quantized(out: str, folder: str) -> None:
     """Every replica holds the same bits; 8 and 4 bits end at allreduce's solution, 1 bit near."""
     for rank in (0, 1):
         pattern = (rf"rank {rank}: (\d)-bit weights within (\d\.\de[+-]\d+) of allreduce's, "
-                   r"replicas identical: (\w+)")
+                   r"replicas identical: (True|False)")
         found = {int(m.group(1)): (float(m.group(2)), m.group(3)) for m in _lines(out, pattern)}
         assert sorted(found) == [1, 4, 8], (rank, out)
         assert all(same == "True" for _, same in found.values()), found

@@ -94,6 +94,11 @@ EXTRA_MEMBERS: Dict[str, Dict[str, str]] = {
     },
     "PeriodicModelAverager": {"last_stats": "as ModelAverager"},
     "HierarchicalModelAverager": {"last_stats": "as ModelAverager"},
+    "DDPCommHookType": {
+        f"QUANTIZED_{b}BIT": "ddpx's quantized_hook with QuantizedState(bits=" + str(b) + "): a "
+                             "hook torch does not have, by name as torch's members"
+        for b in (8, 4, 2, 1)
+    },
     "PostLocalSGDOptimizer": {
         "defaults": "the wrapped optimizer's, read through (torch's wrapper has none, so tools "
                     "reading optimizer.defaults fail on it)",

@@ -258,6 +258,29 @@ def native_property(name: str, check: Optional[Callable[[str, Any], Any]] = None
     return property(getter, None if readonly else setter, doc=doc)
 
 
+def declare_option_properties(cls: type, names: Tuple[str, ...],
+                              convert: Callable[[str, Any], Any] = lambda name, value: value,
+                              doc: str = "The ``{}`` option (settable).") -> None:
+    """A property ``cls.<name>`` for each of ``names``, the fields of the native state's
+    ``options`` (all of them): read from ``self._cpp.options``; written by building a fresh
+    options object with the one field replaced (``convert(name, value)``, which raises TypeError
+    for a value of the wrong type) and handing it to ``set_options``, which validates it (the
+    native state is unchanged when it raises)."""
+    def get(cpp: Any, name: str) -> Any:
+        return getattr(cpp.options, name)
+
+    def put(cpp: Any, name: str, value: Any) -> None:
+        current = cpp.options
+        opts = type(current)()
+        for field in names:
+            setattr(opts, field, getattr(current, field))
+        setattr(opts, name, convert(name, value))
+        cpp.set_options(opts)
+
+    for name in names:
+        setattr(cls, name, native_property(name, get=get, put=put, doc=doc.format(name)))
+
+
 def process_group_property(who: str) -> property:
     """``process_group``: None (the default group) or a ProcessGroup, as given."""
     return native_property(

@@ -13,6 +13,7 @@ from ._native import (
     NativeState,
     check_int,
     check_number,
+    declare_option_properties,
     declare_torch_slots,
     make_hook,
     native_property,
@@ -298,20 +299,8 @@ class PowerSGDState(NativeState):
         return f"ddpx.hooks.PowerSGDState({args}, iter={self.iter})"
 
 
-def _get_option(cpp: Any, name: str) -> Any:
-    return getattr(cpp.options, name)
-
-
-def _set_option(cpp: Any, name: str, value: Any) -> None:
-    opts = cpp.options
-    setattr(opts, name, value)
-    cpp.set_options(opts)
-
-
-for _name in _OPTION_NAMES:
-    setattr(PowerSGDState, _name, native_property(
-        _name, get=_get_option, put=_set_option,
-        doc=f"The ``{_name}`` hyperparameter (settable)."))
+declare_option_properties(PowerSGDState, _OPTION_NAMES,
+                          doc="The ``{}`` hyperparameter (settable).")
 
 declare_torch_slots(PowerSGDState, _TORCH_SLOTS)
 

@@ -10,7 +10,14 @@ import torch.distributed as dist
 
 from .._groups import resolve_group
 from .._loader import _C
-from ._native import NativeState, check_int, declare_torch_slots, make_hook, native_property
+from ._native import (
+    NativeState,
+    check_int,
+    declare_option_properties,
+    declare_torch_slots,
+    make_hook,
+    native_property,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +32,7 @@ _BOOL_OPTIONS = ("use_error_feedback", "stochastic_rounding")
 def _options(**values: Any) -> "_C.QuantizedOptions":
     opts = _C.QuantizedOptions()
     for name, value in values.items():
-        setattr(opts, name, bool(value) if name in _BOOL_OPTIONS else _check_int(name, value))
+        setattr(opts, name, _convert(name, value))
     opts.validate()
     return opts
 
@@ -146,20 +153,11 @@ class QuantizedState(NativeState):
         return f"ddpx.hooks.QuantizedState({fields}, iter={self.iter})"
 
 
-def _get_option(cpp: Any, name: str) -> Any:
-    return getattr(cpp.options, name)
+def _convert(name: str, value: Any) -> Any:
+    return bool(value) if name in _BOOL_OPTIONS else _check_int(name, value)
 
 
-def _set_option(cpp: Any, name: str, value: Any) -> None:
-    current = {n: getattr(cpp.options, n) for n in _OPTION_NAMES}
-    current[name] = value
-    cpp.set_options(_options(**current))
-
-
-for _name in _OPTION_NAMES:
-    setattr(QuantizedState, _name, native_property(
-        _name, get=_get_option, put=_set_option, doc=f"The ``{_name}`` option (settable)."))
-
+declare_option_properties(QuantizedState, _OPTION_NAMES)
 declare_torch_slots(QuantizedState, ("process_group",) + _OPTION_NAMES + ("iter",))
 
 
