@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""quantized_hook's kernels on one thread against memcpy, on the same machine in one run: the
+block quantization with error feedback (reads the values and the residual, writes the residual
+and the message) and the decode (reads the message, writes fp32 values), per bit width, with
+preallocated outputs. Bandwidth is the bytes one pass must move over its time; the issue's
+target is >= 50% of memcpy's (which moves 8 bytes per fp32 value: read and write).
+
+    .venv/bin/python benchmarks/bench_quantized_kernels.py [--n 16777216] [--reps 5]
+        [--device cpu|cuda] [--json FILE]
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import ddpx
+from ddpx._loader import _C
+
+
+def best_of(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=1 << 24)
+    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    n = args.n
+    x = torch.randn(n, device=dev)
+    r = torch.zeros(n, device=dev)
+    out = torch.empty(n, device=dev)
+    memcpy = best_of(lambda: out.copy_(x), args.reps, sync)
+    rows = [{"op": "memcpy", "ms": memcpy * 1e3, "gbs": 8 * n / memcpy / 1e9}]
+    print(f"ddpx {ddpx.__version__}, torch {torch.__version__}, {dev}, n = {n}, one thread")
+    print(f"memcpy: {memcpy * 1e3:.1f} ms, {8 * n / memcpy / 1e9:.1f} GB/s")
+    for bits in (8, 4, 2, 1):
+        m = _C.quantize_ef_(x, r, bits, args.block)
+        tq = best_of(lambda: _C.quantize_ef_(x, r, bits, args.block, out=m), args.reps, sync)
+        td = best_of(lambda: _C.dequantize_(m, bits, args.block, out), args.reps, sync)
+        q_gbs = (12 * n + m.numel()) / tq / 1e9
+        d_gbs = (4 * n + m.numel()) / td / 1e9
+        rows.append({"op": "quantize_ef", "bits": bits, "ms": tq * 1e3, "gbs": q_gbs})
+        rows.append({"op": "dequantize", "bits": bits, "ms": td * 1e3, "gbs": d_gbs})
+        print(f"{bits} bits: quantize + error feedback {tq * 1e3:.1f} ms, {q_gbs:.1f} GB/s "
+              f"({q_gbs / rows[0]['gbs']:.0%} of memcpy); dequantize {td * 1e3:.1f} ms, "
+              f"{d_gbs:.1f} GB/s ({d_gbs / rows[0]['gbs']:.0%})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
