@@ -598,7 +598,37 @@ COVERAGE_CONFIGS: List[Config] = [
 # ---------------------------------------------------------------------------------------------
 def load_digits_split(seed: int):
     """The real sklearn `digits` (1797 8x8 images), a fixed stratified 80/20 split,
-    standardised with the training set's statistics."""
+    standardised with the training set's statistics.
+
+    Cached per seed and scikit-learn version under $DDPX_DIGITS_CACHE (default
+    ~/.cache/ddpx/digits; empty: no cache): importing sklearn and splitting costs each rank about
+    3 s of CPU, a sixth of a short job, which the tests launch dozens of times. The file holds
+    the tensors this function returns, so a cached run trains on exactly the same data."""
+    from importlib.metadata import version
+
+    cache_dir = os.environ.get("DDPX_DIGITS_CACHE",
+                               os.path.join(os.path.expanduser("~"), ".cache", "ddpx", "digits"))
+    path = (os.path.join(cache_dir, f"split-seed{seed}-sklearn{version('scikit-learn')}.pt")
+            if cache_dir else "")
+    if path and os.path.exists(path):
+        try:
+            return tuple(torch.load(path))
+        except Exception:  # a torn or foreign file: recompute and rewrite it
+            pass
+    split = _compute_digits_split(seed)
+    if path:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            # Ranks may write at once: each writes its own file and renames it into place.
+            tmp = f"{path}.{os.getpid()}.tmp"
+            torch.save(list(split), tmp)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return split
+
+
+def _compute_digits_split(seed: int):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
@@ -1136,6 +1166,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads per rank on CPU (default: the cores shared among the "
                    "node's ranks)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="write no picture (no matplotlib import: the multi-node tests' repeated "
+                   "runs)")
     p.add_argument("--coverage", action="store_true",
                    help="also run COVERAGE_CONFIGS (every ddpx hook in both registrations; the "
                    "multi-node tests)")
@@ -1365,11 +1398,13 @@ def main(argv=None) -> int:
             r.pop("final_weights_rank0", None)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2, default=str)
-        plot_curves(rows, os.path.join(args.out, "loss_curves.png"),
-                    meta["steps_per_config"] // max(1, args.epochs))
+        written = ["results.md", "results.json"]
+        if not args.no_plot:
+            plot_curves(rows, os.path.join(args.out, "loss_curves.png"),
+                        meta["steps_per_config"] // max(1, args.epochs))
+            written.append("loss_curves.png")
         print(md, flush=True)
-        print("wrote " + ", ".join(os.path.join(args.out, f) for f in
-                                   ("results.md", "results.json", "loss_curves.png")), flush=True)
+        print("wrote " + ", ".join(os.path.join(args.out, f) for f in written), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

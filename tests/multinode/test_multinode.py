@@ -161,7 +161,7 @@ def test_clean_exit_of_20_consecutive_runs(tmp_path):
     exit (`terminate called ...`) makes torchrun report the finished job as failed."""
     script = [JOB, "--out", str(tmp_path / "out"), "--coverage", "--epochs", "1",
               "--batch-size", "128", "--hidden", "16", "--depth", "1", "--threads", "1",
-              "--warmup-steps", "1"]
+              "--warmup-steps", "1", "--no-plot"]
     failures = []
     with multinode.Cluster(2, rate=RATE) as cluster:
         for run in range(20):
