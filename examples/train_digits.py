@@ -600,15 +600,20 @@ def load_digits_split(seed: int):
     """The real sklearn `digits` (1797 8x8 images), a fixed stratified 80/20 split,
     standardised with the training set's statistics.
 
-    Cached per seed and scikit-learn version under $DDPX_DIGITS_CACHE (default
+    Cached per seed, scikit-learn and torch version under $DDPX_DIGITS_CACHE (default
     ~/.cache/ddpx/digits; empty: no cache): importing sklearn and splitting costs each rank about
     3 s of CPU, a sixth of a short job, which the tests launch dozens of times. The file holds
     the tensors this function returns, so a cached run trains on exactly the same data."""
-    from importlib.metadata import version
+    from importlib import metadata
 
     cache_dir = os.environ.get("DDPX_DIGITS_CACHE",
                                os.path.join(os.path.expanduser("~"), ".cache", "ddpx", "digits"))
-    path = (os.path.join(cache_dir, f"split-seed{seed}-sklearn{version('scikit-learn')}.pt")
+    try:
+        sklearn_version = metadata.version("scikit-learn")
+    except metadata.PackageNotFoundError:  # installed without metadata: no safe cache key
+        cache_dir = ""
+    path = (os.path.join(cache_dir, f"split-seed{seed}-sklearn{sklearn_version}"
+                         f"-torch{torch.__version__.split('+')[0]}.pt")
             if cache_dir else "")
     if path and os.path.exists(path):
         try:
