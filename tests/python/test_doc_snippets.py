@@ -5,7 +5,9 @@ line above it is ``<!-- snippet: fragment -->``. Each complete one runs under ``
 2 Gloo ranks on CPU, in a fresh folder, and its output is checked against what the page claims
 (``CHECKS``, keyed by the block's ``<!-- snippet: NAME -->``): replicas agree, a resume
 continues bit for bit, a hook compresses. The C++ quick start (``<!-- snippet: cpp FILE -->`` and
-``<!-- snippet: cmake FILE -->``) is built against the installed package and run the same way.
+``<!-- snippet: cmake FILE -->``) is built against the installed package and run the same way;
+the C++ fragments are compiled, each inside a function that declares the names it takes from
+the program around it.
 Links between the pages, and the headings they point at, must exist.
 """
 import os
@@ -240,3 +242,64 @@ def test_cpp_quick_start_builds_and_trains(tmp_path):
     rates = [float(m.group(2)) for m in _lines(out, r"rank (\d): PowerSGD compression ([\d.]+)x")]
     assert len(rates) == 2 and min(rates) > 1.5, out[-3000:]
 
+
+
+# The names the C++ fragments take from the program around them ("pg and ddp as above"): declared
+# in an outer scope, so that a fragment that declares one itself shadows it in its own block.
+_CPP_FRAGMENT_PRELUDE = """\
+#include <ddpx/ddp.h>
+#include <ddpx/hooks.h>
+#include <ddpx/optim/averagers.h>
+#include <ddpx/optim/post_localsgd_optimizer.h>
+#include <ddpx/optim/zero.h>
+#include <torch/torch.h>
+
+#include <memory>
+"""
+
+
+def _cpp_fragment_function(index: int, block: Block) -> str:
+    return f"""
+// {block.page}:{block.line}
+[[maybe_unused]] static void fragment_{index}() {{
+  [[maybe_unused]] auto pg = ddpx::init_process_group_from_env("gloo");
+  [[maybe_unused]] decltype(pg) subgroup;
+  torch::nn::Sequential net(torch::nn::Linear(64, 256), torch::nn::ReLU(),
+                            torch::nn::Linear(256, 10));
+  [[maybe_unused]] ddpx::DistributedDataParallel ddp(net, pg);
+  [[maybe_unused]] auto state =
+      std::make_shared<ddpx::hooks::PowerSGDState>(pg, ddpx::hooks::PowerSGDOptions{{}});
+  [[maybe_unused]] auto x = torch::randn({{8, 64}});
+  [[maybe_unused]] auto y = torch::randint(0, 10, {{8}}, torch::kLong);
+  {{
+#line {block.line + 1} "{block.page}"
+{block.code}  }}
+}}
+"""
+
+
+CPP_FRAGMENTS = [b for b in ALL_BLOCKS if b.lang == "cpp" and b.marker == "fragment"]
+
+
+@pytest.mark.skipif(not os.path.exists(_CONFIG),
+                    reason=f"ddpx at {PREFIX} is not a pip-installed package (no lib/cmake/ddpx)")
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake")
+def test_cpp_fragments_compile(tmp_path):
+    """Every C++ block marked as a fragment compiles against the installed package, inside a
+    function that declares what the guide says it takes from around it (pg, net, ddp, state,
+    subgroup, x, y). Compiled, not run: they are pieces of the README's program, which the test
+    above builds and runs; this keeps their names and signatures true to the headers."""
+    assert len(CPP_FRAGMENTS) >= 3, [f"{b.page}:{b.line}" for b in CPP_FRAGMENTS]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "fragments.cpp").write_text(
+        _CPP_FRAGMENT_PRELUDE + "".join(_cpp_fragment_function(i, b)
+                                        for i, b in enumerate(CPP_FRAGMENTS)))
+    # An object library: compiled with the flags a user's target gets, nothing linked.
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\n"
+        "project(fragments LANGUAGES CXX)\n"
+        "find_package(ddpx REQUIRED)\n"
+        "add_library(fragments OBJECT fragments.cpp)\n"
+        "target_link_libraries(fragments PRIVATE ddpx::ddpx)\n")
+    build_cmake_project(src, tmp_path / "build", PREFIX)
