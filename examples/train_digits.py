@@ -19,7 +19,8 @@ built; PowerSGD: from the numel after compression), the bytes of each rank's opt
 the end (ZeroRedundancyOptimizer: its local shard), and the final training loss. Adding a hook to
 the table = adding one ``Config`` to ``CONFIGS``.
 
-Outputs (rank 0): out/results.md, out/results.json, out/loss_curves.png.
+Outputs (rank 0): out/results.md, out/results.json, out/loss_curves.png,
+out/accuracy_vs_bytes.png.
 """
 import argparse
 import collections
@@ -31,7 +32,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -1101,9 +1102,121 @@ def render_markdown(rows, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The families the pictures group rows by: (name, substrings of the hook column), first match.
+FAMILIES = [("PowerSGD", ("powerSGD",)), ("quantized", ("quantiz",)),
+            ("post-local SGD", ("post_localSGD",)), ("ZeRO", ("Zero", "ZeRO")),
+            ("16-bit", ("fp16", "bf16")), ("allreduce", ("allreduce", "no hook")),
+            ("noop", ("noop",))]
+_FAMILY_MARKERS = {"PowerSGD": "D", "quantized": "s", "post-local SGD": "^", "ZeRO": "P",
+                   "16-bit": "v", "allreduce": "o", "noop": "X", "other": "*"}
+
+
+def family_of(hook: str) -> str:
+    for name, keys in FAMILIES:
+        if any(k in hook for k in keys):
+            return name
+    return "other"
+
+
+def _smoothed_loss(row, win: int):
+    loss = torch.tensor(row["step_loss"], dtype=torch.float64)
+    win = max(1, min(win, len(loss)))
+    smooth = torch.nn.functional.avg_pool1d(loss[None, None], win, 1)[0, 0]
+    return (torch.arange(len(smooth)) + win).numpy(), smooth.numpy()
+
+
+def plot_accuracy_vs_bytes(rows, path: str) -> None:
+    """One point per row: test accuracy against the bytes a rank sends per step (the table's
+    model), log scale. torch's rows hollow and orange, ddpx's filled and blue, the marker the
+    family. Rows with the same bytes and accuracy (a hook drop-in and native, torch's and
+    ddpx's when bit-identical) share a point and a number; the key beside the axes names them,
+    so no label sits on another. Rows that send nothing (noop) have no place on a log axis and
+    are named under the key."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    points: Dict[Tuple[float, float], List[Dict[str, Any]]] = {}
+    silent = []
+    for r in ok:
+        if not r.get("bytes_per_step"):
+            silent.append(r)
+            continue
+        points.setdefault((round(float(r["bytes_per_step"])), round(100 * r["test_acc"], 2)),
+                          []).append(r)
+    if not points:
+        return
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(13, 6.5), gridspec_kw={"width_ratios": [3, 2]})
+    order = sorted(points, key=lambda p: (-p[0], -p[1]))
+    xs = [p[0] for p in order]
+    ys = [p[1] for p in order]
+    ax.set_xscale("log")
+    ax.set_xlim(min(xs) / 1.6, max(xs) * 1.6)
+    pad = max(0.1, (max(ys) - min(ys)) * 0.08)
+    ax.set_ylim(min(ys) - pad, max(ys) + pad)
+    placed: List[Tuple[float, float]] = []  # label anchors in pixels, to keep them apart
+
+    def label_offset(b: float, acc: float) -> Tuple[int, int]:
+        px, py = ax.transData.transform((b, acc))
+        for dx, dy in ((7, 4), (7, -13), (-16, 4), (-16, -13), (7, 15), (-16, 15), (7, -24),
+                       (-16, -24), (18, 4), (18, -13)):
+            if all(abs(px + dx - qx) > 12 or abs(py + dy - qy) > 10 for qx, qy in placed):
+                placed.append((px + dx, py + dy))
+                return dx, dy
+        placed.append((px + 7, py + 4))
+        return 7, 4
+
+    lines = []
+    for n, (b, acc) in enumerate(order, 1):
+        group = points[(b, acc)]
+        torch_only = all(r["hook"].startswith("torch") for r in group)
+        has_torch = any(r["hook"].startswith("torch") for r in group)
+        fam = family_of(group[0]["hook"])
+        # torch's points are larger open rings drawn on top, so that a ddpx point at (nearly)
+        # the same place shows inside one.
+        face = "none" if torch_only else "tab:blue"
+        edge = "tab:orange" if has_torch else "tab:blue"
+        ax.scatter([b], [acc], marker=_FAMILY_MARKERS[fam], s=150 if torch_only else 70,
+                   facecolor=face, edgecolor=edge, linewidth=1.8, zorder=4 if torch_only else 3)
+        ax.annotate(str(n), (b, acc), textcoords="offset pixels",
+                    xytext=label_offset(b, acc), fontsize=8)
+        names = "; ".join(f"{r['hook']} ({r['registration']})" for r in group)
+        lines.append(f"{n:>2}  {acc:.2f}%  {b / 1e6:.3g} MB  {names}")
+    ax.set_xlabel("bytes a rank sends per step (modelled from the buckets), log scale")
+    ax.set_ylabel("test accuracy at the end (%)")
+    ax.set_title("digits MLP: accuracy against bytes per step")
+    ax.grid(True, which="both", alpha=0.3)
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], marker=_FAMILY_MARKERS[f], linestyle="", color="gray", label=f)
+               for f in dict.fromkeys(family_of(r["hook"]) for r in ok if r not in silent)]
+    handles += [Line2D([], [], marker="o", linestyle="", markerfacecolor="tab:blue",
+                       markeredgecolor="tab:blue", label="ddpx"),
+                Line2D([], [], marker="o", linestyle="", markerfacecolor="none",
+                       markeredgecolor="tab:orange", label="torch"),
+                Line2D([], [], marker="o", linestyle="", markerfacecolor="tab:blue",
+                       markeredgecolor="tab:orange", label="torch and ddpx, same point")]
+    # Beside the axes, under the key: inside them it would cover points.
+    key.legend(handles=handles, fontsize=8, loc="lower left", ncol=2, frameon=False)
+    key.axis("off")
+    if silent:
+        lines.append("not drawn (no bytes sent): " + ", ".join(
+            f"{r['hook']} ({r['registration']}) {100 * r['test_acc']:.2f}%" for r in silent))
+    import textwrap
+    wrapped = [textwrap.fill(t, 62, subsequent_indent="      ") for t in lines]
+    key.text(0, 1, "\n".join(wrapped), va="top", ha="left", family="monospace",
+             fontsize=max(5.0, min(8.0, 480 / max(1, sum(w.count("\n") + 1
+                                                        for w in wrapped)))),
+             transform=key.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
-    """Left: every configuration's all-rank training loss per step (moving average over half an
-    epoch). Right: its per-step difference from the first configuration (DDP's default)."""
+    """The training loss per step (all-rank mean, moving average over half an epoch) as small
+    multiples: a panel per family of hooks, each with the first row (DDP's default) in grey
+    beneath its own rows, so that no panel holds more than a handful of lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1111,32 +1224,36 @@ def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return
-    base = torch.tensor(ok[0]["step_loss"])
+    base, rest = ok[0], ok[1:]
+    fams = list(dict.fromkeys(family_of(r["hook"]) for r in rest)) or ["allreduce"]
+    cols = min(4, max(2, len(fams)))  # two at least: the title needs the width
+    nrows = (len(fams) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.8 * nrows), squeeze=False,
+                             sharex=True, sharey=True)
     win = max(1, steps_per_epoch // 2)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 8))
+    bx, by = _smoothed_loss(base, win)
     styles = ["-", "--", "-.", ":"]
-    for i, r in enumerate(ok):
-        loss = torch.tensor(r["step_loss"])
-        smooth = torch.nn.functional.avg_pool1d(loss[None, None], win, 1)[0, 0]
-        x = torch.arange(len(smooth)) + win
-        kw = dict(label=f"{r['hook']} ({r['registration']})", linestyle=styles[i % 4],
-                  linewidth=1.4, color=plt.cm.tab20(i % 20))
-        ax.plot(x.numpy(), smooth.numpy(), **kw)
-        ax2.plot((torch.arange(len(loss)) + 1).numpy(), (loss - base).numpy(), **kw)
-    ax.set_yscale("log")
-    ax.set_xlabel(f"step ({steps_per_epoch} per epoch)")
-    ax.set_ylabel(f"training loss, all-rank mean, moving average over {win} steps")
-    ax.set_title("digits MLP: training loss per configuration")
-    ax.grid(True, which="both", alpha=0.3)
-    ax2.set_yscale("symlog", linthresh=1e-6)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel(f"loss minus the '{ok[0]['hook']}' loss at the same step")
-    ax2.set_title("difference from DDP's default, per step (symlog; 0 = bit-identical)")
-    ax2.grid(True, which="both", alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(path, dpi=120)
+    for ax, fam in zip(axes.flat, fams):
+        ax.plot(bx, by, color="0.6", linewidth=2.5, label=f"{base['hook']}")
+        mine = [r for r in rest if family_of(r["hook"]) == fam]
+        for i, r in enumerate(mine):
+            x, y = _smoothed_loss(r, win)
+            ax.plot(x, y, linestyle=styles[i % 4], linewidth=1.3, color=plt.cm.tab10(i % 10),
+                    label=f"{r['hook']} ({r['registration']})")
+        ax.set_title(fam, fontsize=10)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, loc="upper right")
+    for ax in list(axes.flat)[len(fams):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel(f"step ({steps_per_epoch} per epoch)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("training loss (log)")
+    fig.suptitle(f"digits MLP: training loss per family of hooks (moving average over {win} "
+                 f"steps); grey: {base['hook']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -1407,7 +1524,8 @@ def main(argv=None) -> int:
         if not args.no_plot:
             plot_curves(rows, os.path.join(args.out, "loss_curves.png"),
                         meta["steps_per_config"] // max(1, args.epochs))
-            written.append("loss_curves.png")
+            plot_accuracy_vs_bytes(rows, os.path.join(args.out, "accuracy_vs_bytes.png"))
+            written += ["loss_curves.png", "accuracy_vs_bytes.png"]
         print(md, flush=True)
         print("wrote " + ", ".join(os.path.join(args.out, f) for f in written), flush=True)
     dist.barrier()
