@@ -4,7 +4,7 @@
 # ImportError that names both versions and says how to rebuild. Pairs of the same Python
 # version: the newest torch and Debian's 1.13 (Python 3.11) both ways, the newest and 2.11
 # (Python 3.12) both ways. Run by .ci/run after the lines; skips a pair whose build or venv is
-# missing.
+# missing (the newest torch on 3.12 is made by `DDPX_CI_FULL=1 bash .ci/run` only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
