@@ -1147,7 +1147,7 @@ def plot_accuracy_vs_bytes(rows, path: str) -> None:
                           []).append(r)
     if not points:
         return
-    fig, (ax, key) = plt.subplots(1, 2, figsize=(13, 6.5), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(13, 8), gridspec_kw={"width_ratios": [3, 2]})
     order = sorted(points, key=lambda p: (-p[0], -p[1]))
     xs = [p[0] for p in order]
     ys = [p[1] for p in order]
@@ -1196,8 +1196,9 @@ def plot_accuracy_vs_bytes(rows, path: str) -> None:
                        markeredgecolor="tab:orange", label="torch"),
                 Line2D([], [], marker="o", linestyle="", markerfacecolor="tab:blue",
                        markeredgecolor="tab:orange", label="torch and ddpx, same point")]
-    # Beside the axes, under the key: inside them it would cover points.
-    key.legend(handles=handles, fontsize=8, loc="lower left", ncol=2, frameon=False)
+    # Under the axes: inside them it would cover points, beside them the key.
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.11),
+              ncol=4, frameon=False)
     key.axis("off")
     if silent:
         lines.append("not drawn (no bytes sent): " + ", ".join(
