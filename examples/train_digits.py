@@ -1118,6 +1118,15 @@ def family_of(hook: str) -> str:
     return "other"
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only; imported late: the jobs that draw
+    nothing never pay for it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def _smoothed_loss(row, win: int):
     loss = torch.tensor(row["step_loss"], dtype=torch.float64)
     win = max(1, min(win, len(loss)))
@@ -1132,9 +1141,7 @@ def plot_accuracy_vs_bytes(rows, path: str) -> None:
     ddpx's when bit-identical) share a point and a number; the key beside the axes names them,
     so no label sits on another. Rows that send nothing (noop) have no place on a log axis and
     are named under the key."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     ok = [r for r in rows if r["status"] == "ok"]
     points: Dict[Tuple[float, float], List[Dict[str, Any]]] = {}
@@ -1218,9 +1225,7 @@ def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
     """The training loss per step (all-rank mean, moving average over half an epoch) as small
     multiples: a panel per family of hooks, each with the first row (DDP's default) in grey
     beneath its own rows, so that no panel holds more than a handful of lines."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
