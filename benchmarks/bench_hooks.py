@@ -35,6 +35,7 @@ GPU (NCCL world size 1, then Gloo with 2 ranks sharing the one GPU):
 import copy
 import json
 import os
+import re
 import sys
 import time
 from typing import Dict, List
@@ -74,6 +75,10 @@ CONFIGS = {
     "torch_qchannel": ("torch", "python", "quantization_hooks.quantization_perchannel_hook"),
     "ddpx_qchannel_dropin": ("ddpx", "drop-in", "ddpx.hooks.quantization_perchannel_hook"),
     "ddpx_qchannel_native": ("ddpx", "native", "ddpx.hooks.quantization_perchannel_hook"),
+    # ddpx's quantized_hook with error feedback from the first step (start_iter=0).
+    "ddpx_q8_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=8"),
+    "ddpx_q4_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=4"),
+    "ddpx_q1_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=1"),
 }
 BASELINE = "ddpx_noop_native"
 TORCH_BASELINE = "torch_noop"
@@ -129,6 +134,10 @@ def register(name: str, ddp: DDP, ddpx) -> None:
         ddp.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)
     elif name == "torch_qchannel":
         ddp.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)
+    elif re.fullmatch(r"ddpx_q\d+_(native|dropin)", name):
+        _, kind, path = name.split("_")
+        state = H.QuantizedState(process_group=None, bits=int(kind[1:]), start_iter=0)
+        bc.register_hook(ddpx, ddp, state, H.quantized_hook, native=path == "native")
     else:
         _, kind, path = name.split("_")
         hook = {"noop": H.noop_hook, "allreduce": H.allreduce_hook,
