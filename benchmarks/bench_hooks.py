@@ -35,7 +35,6 @@ GPU (NCCL world size 1, then Gloo with 2 ranks sharing the one GPU):
 import copy
 import json
 import os
-import re
 import sys
 import time
 from typing import Dict, List
@@ -134,12 +133,12 @@ def register(name: str, ddp: DDP, ddpx) -> None:
         ddp.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)
     elif name == "torch_qchannel":
         ddp.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)
-    elif re.fullmatch(r"ddpx_q\d+_(native|dropin)", name):
-        _, kind, path = name.split("_")
-        state = H.QuantizedState(process_group=None, bits=int(kind[1:]), start_iter=0)
-        bc.register_hook(ddpx, ddp, state, H.quantized_hook, native=path == "native")
     else:
         _, kind, path = name.split("_")
+        if kind[0] == "q" and kind[1:].isdigit():  # quantized_hook, "q<bits>"
+            state = H.QuantizedState(process_group=None, bits=int(kind[1:]), start_iter=0)
+            bc.register_hook(ddpx, ddp, state, H.quantized_hook, native=path == "native")
+            return
         hook = {"noop": H.noop_hook, "allreduce": H.allreduce_hook,
                 "fp16": H.fp16_compress_hook, "bf16": H.bf16_compress_hook,
                 "qtensor": H.quantization_pertensor_hook,

@@ -30,6 +30,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -602,9 +603,10 @@ def load_digits_split(seed: int):
     standardised with the training set's statistics.
 
     Cached per seed, scikit-learn and torch version under $DDPX_DIGITS_CACHE (default
-    ~/.cache/ddpx/digits; empty: no cache): importing sklearn and splitting costs each rank about
-    3 s of CPU, a sixth of a short job, which the tests launch dozens of times. The file holds
-    the tensors this function returns, so a cached run trains on exactly the same data."""
+    ~/.cache/ddpx/digits; empty: no cache): importing sklearn and splitting costs each rank
+    seconds of CPU, a large part of the short jobs that the tests launch dozens of times. The
+    file holds the tensors this function returns, so a cached run trains on exactly the same
+    data."""
     from importlib import metadata
 
     cache_dir = os.environ.get("DDPX_DIGITS_CACHE",
@@ -1210,7 +1212,6 @@ def plot_accuracy_vs_bytes(rows, path: str) -> None:
     if silent:
         lines.append("not drawn (no bytes sent): " + ", ".join(
             f"{r['hook']} ({r['registration']}) {100 * r['test_acc']:.2f}%" for r in silent))
-    import textwrap
     wrapped = [textwrap.fill(t, 62, subsequent_indent="      ") for t in lines]
     key.text(0, 1, "\n".join(wrapped), va="top", ha="left", family="monospace",
              fontsize=max(5.0, min(8.0, 480 / max(1, sum(w.count("\n") + 1

@@ -243,7 +243,6 @@ def test_cpp_quick_start_builds_and_trains(tmp_path):
     assert len(rates) == 2 and min(rates) > 1.5, out[-3000:]
 
 
-
 # The names the C++ fragments take from the program around them ("pg and ddp as above"): declared
 # in an outer scope, so that a fragment that declares one itself shadows it in its own block.
 _CPP_FRAGMENT_PRELUDE = """\
