@@ -25,6 +25,15 @@ from .hooks import register_comm_hook
 from .model_averaging import HierarchicalModelAverager, PeriodicModelAverager
 from .optim import PostLocalSGDOptimizer
 
+# DDPX_STACKS_ON_ABORT=1 turns on torch's fatal-signal handler: on SIGABRT, SIGSEGV, SIGBUS, SIGILL,
+# SIGFPE or SIGINT every thread prints its C++ stack before the process dies. An abort at
+# interpreter exit ("terminate called without an active exception") then names the thread whose
+# std::thread was destroyed joinable. The test harnesses set it; it costs nothing until a signal.
+if _os.environ.get("DDPX_STACKS_ON_ABORT", "") not in ("", "0"):
+    import torch as _torch
+
+    _torch._C._set_print_stack_traces_on_fatal_signal(True)
+
 #: ``CMAKE_PREFIX_PATH`` for ``find_package(ddpx)``: the installed package holds the C++ library,
 #: headers and CMake package (lib/, include/, lib/cmake/ddpx/), put there by ``pip install``. A
 #: build tree on PYTHONPATH (build/python) has none: use ``cmake --install`` there.

@@ -13,6 +13,7 @@ place, an exchange that depends on timing, state that is per host rather than pe
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, List, Sequence
@@ -40,6 +41,8 @@ def _env() -> Dict[str, str]:
             "GROUP_RANK", "TORCHELASTIC_RUN_ID")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["OMP_NUM_THREADS"] = "1"
+    # An exit-time abort prints every thread's stack (see ddpx/__init__.py).
+    env["DDPX_STACKS_ON_ABORT"] = "1"
     return env
 
 
@@ -168,6 +171,23 @@ def test_clean_exit_of_20_consecutive_runs(tmp_path):
             results = cluster.torchrun(script, timeout=300, env=_env(), port=29400 + run,
                                        rdzv_id=f"exit{run}")
             if any(r.returncode != 0 for r in results):
-                failures.append(f"run {run}:\n{_tail(results)}")
+                # Whole outputs kept: the stacks of every thread (DDPX_STACKS_ON_ABORT) are
+                # longer than a tail.
+                log = tmp_path / f"run{run}.log"
+                log.write_text("\n".join(f"--- node {i} (exit {r.returncode}):\n{r.stdout}"
+                                         for i, r in enumerate(results)))
+                failures.append(f"run {run} (whole output in {log}):\n"
+                                + _aborting_stacks(results) + _tail(results)[-3000:])
     assert not failures, f"{len(failures)} of 20 runs did not exit 0:\n" + "\n".join(
-        failures)[-8000:]
+        failures)[-12000:]
+
+
+def _aborting_stacks(results: Sequence[subprocess.CompletedProcess]) -> str:
+    """The stack of each thread that called abort(), from torch's fatal-signal handler's dump:
+    the one that destroyed a joinable std::thread, where an exit-time abort is that."""
+    stacks = []
+    for r in results:
+        for block in re.split(r"\n(?=SIGABRT\(6\), PID)", r.stdout or ""):
+            if block.startswith("SIGABRT") and re.search(r"\babort \+", block):
+                stacks.append(block[:4000])
+    return "\n".join(stacks) + "\n" if stacks else ""

@@ -137,6 +137,8 @@ def _env() -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
+    # An exit-time abort prints every thread's stack (see ddpx/__init__.py).
+    env["DDPX_STACKS_ON_ABORT"] = "1"
     # The ddpx under test, also when it is a build tree on sys.path rather than installed.
     ddpx_root = os.path.dirname(os.path.dirname(os.path.abspath(ddpx.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ddpx_root, env.get("PYTHONPATH")) if p)
@@ -202,6 +204,15 @@ def test_links_between_pages_resolve():
             elif anchor and full.endswith(".md") and anchor not in _anchors(full):
                 bad.append(f"{os.path.relpath(page, REPO)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_the_test_index_names_every_test_file():
+    """tests/python/README.md is how a contributor finds the test of a feature."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        index = f.read()
+    missing = sorted(n for n in os.listdir(HERE)
+                     if n.startswith("test_") and n.endswith(".py") and f"`{n}`" not in index)
+    assert not missing, f"add to tests/python/README.md: {missing}"
 
 
 def test_readme_fits_a_product_page():

@@ -2,7 +2,9 @@
 and how to rebuild, before the compiled module is loaded (which would fail with an undefined
 symbol, or load and misbehave). The package is copied and its _build_info.py altered; the
 real cross-torch import (a 1.13 build under torch 2.11 and back) is scripts/check_torch_mismatch.sh,
-run by CI once both builds exist."""
+run by CI once both builds exist.
+
+Also import time: DDPX_STACKS_ON_ABORT turns on the dump of every thread's stack on an abort."""
 import os
 import shutil
 import subprocess
@@ -52,3 +54,26 @@ def test_cuda_build_under_cpu_torch_is_refused(tmp_path):
         tmp_path, f'TORCH_VERSION = "{version}"\nTORCH_CUDA = "13.0"\nDDPX_WITH_CUDA = True\n')
     assert res.returncode != 0
     assert "CUDA build of torch" in res.stderr and "has no CUDA" in res.stderr
+
+
+@pytest.mark.parametrize("knob", ["1", "0", None])
+def test_stacks_on_abort_knob(knob):
+    """With DDPX_STACKS_ON_ABORT=1 an abort prints each thread's C++ stack, the aborting one with
+    its abort frame; unset or 0, only the abort itself."""
+    env = {k: v for k, v in os.environ.items() if k != "DDPX_STACKS_ON_ABORT"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(PKG),
+                                                    env.get("PYTHONPATH")) if p)
+    if knob is not None:
+        env["DDPX_STACKS_ON_ABORT"] = knob
+    code = ("import threading, time, os, ddpx\n"
+            "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "os.abort()\n")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0
+    dumps = res.stderr.split("SIGABRT(6), PID")[1:]
+    if knob == "1":
+        assert len(dumps) >= 2, res.stderr[-3000:]  # the main thread and the sleeper at least
+        assert any("abort" in b for b in dumps), res.stderr[-3000:]
+    else:
+        assert dumps == [], res.stderr[-3000:]
