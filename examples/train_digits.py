@@ -345,19 +345,23 @@ def psgd(name: str, registration: str, hook: Callable, rank: int, **kw) -> Confi
     return Config(f"{name} r={rank}", registration, reg, powersgd=True, **kw)
 
 
-def quantized(registration: str, bits: int, error_feedback: bool = True) -> Config:
+def quantized(registration: str, bits: int, error_feedback: bool = True,
+              stochastic: bool = False) -> Config:
     """A ddpx quantized_hook row: QuantizedState(bits=bits, use_error_feedback=error_feedback,
-    start_iter=--quantized-start), the other arguments their defaults (blocks of 256, nearest
-    rounding, random_seed 0); a fresh state per run."""
+    stochastic_rounding=stochastic, start_iter=--quantized-start, random_seed=0), blocks of 256
+    (the default); a fresh state per run."""
     def state(args: argparse.Namespace) -> Any:
         return H.QuantizedState(process_group=None, bits=bits,
                                 use_error_feedback=error_feedback,
-                                start_iter=args.quantized_start, random_seed=0)
+                                start_iter=args.quantized_start, random_seed=0,
+                                stochastic_rounding=stochastic)
 
     reg = (drop_in if registration == "drop-in" else native)(H.quantized_hook, state)
     name = f"ddpx quantized_hook {bits} bit{'s' if bits > 1 else ''}"
     if not error_feedback:
         name += ", no error feedback"
+    if stochastic:
+        name += ", stochastic rounding"
     return Config(name, registration, reg, wire_quantized(bits), quantized=True)
 
 
@@ -554,14 +558,20 @@ CONFIGS: List[Config] = [
     # with DDP's allreduce and with ZeRO-2's reduce-scatter (2 instead of 3 model sizes sent).
     zero_row("ddpx ZeroRedundancyOptimizer, balanced", ddpx_side=True, partition="balanced"),
     zero2_row("ddpx ZeRO-2 reduce_scatter_hook, balanced", partition="balanced"),
-    # ddpx's quantized_hook: 8/4/2/1 bits with two-level error feedback, 8 and 1 without, from
-    # step --quantized-start on (plain allreduce before), DDP's default buckets.
+    # ddpx's quantized_hook: 8/4/2/1 bits with two-level error feedback and without, from step
+    # --quantized-start on (plain allreduce before), DDP's default buckets.
     quantized("native", 8),
     quantized("native", 4),
     quantized("native", 2),
     quantized("native", 1),
     quantized("native", 8, error_feedback=False),
+    quantized("native", 4, error_feedback=False),
+    quantized("native", 2, error_feedback=False),
     quantized("native", 1, error_feedback=False),
+    # Without error feedback the nearest level is biased at 2 and 1 bits; stochastic rounding is
+    # the unbiased way to train without it.
+    quantized("native", 2, error_feedback=False, stochastic=True),
+    quantized("native", 1, error_feedback=False, stochastic=True),
     quantized("drop-in", 8),
     # torch's quantization hooks (uint8 allgathers, no error feedback), each in one bucket.
     torch_quantization(0),
@@ -647,6 +657,27 @@ def _compute_digits_split(seed: int):
     f = lambda a: torch.tensor(scaler.transform(a), dtype=torch.float32)  # noqa: E731
     g = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
     return f(x_tr), g(y_tr), f(x_te), g(y_te)
+
+
+@dataclasses.dataclass
+class Task:
+    """What the job trains: the data (x_train, y_train, x_test, y_test; y a class index), the
+    network (called under torch.manual_seed(seed): the same initial weights on every rank), and
+    the words the report uses for them. Another example trains every configuration on another
+    task by passing its own to `main` (examples/train_charlm.py)."""
+    title: str  # "digits MLP": the pictures' and the table's name of the task
+    model: str  # "MLP 64-512-512-10"
+    test_set: str  # "the whole test set (360 images)"
+    data: Tuple[torch.Tensor, ...]
+    make_net: Callable[[], nn.Module]
+
+
+def digits_task(args) -> Task:
+    data = load_digits_split(args.seed)
+    return Task(title="digits MLP",
+                model="MLP 64-" + "-".join([str(args.hidden)] * args.depth) + "-10",
+                test_set=f"the whole test set ({len(data[2])} images)", data=data,
+                make_net=lambda: make_mlp(args.hidden, args.depth))
 
 
 def make_mlp(hidden: int, depth: int) -> nn.Module:
@@ -847,10 +878,13 @@ class Run:
         # Test accuracy over the whole test set: each rank scores its share with its replica.
         with torch.no_grad():
             mine = torch.arange(rank, len(x_te), world, device=x_te.device)
-            pred = self.model(x_te[mine]).argmax(dim=1)
-            counts = torch.tensor([(pred == y_te[mine]).sum().item(), len(mine)],
+            logits = self.model(x_te[mine])
+            pred = logits.argmax(dim=1)
+            counts = torch.tensor([(pred == y_te[mine]).sum().item(), len(mine),
+                                   nn.functional.cross_entropy(logits, y_te[mine],
+                                                               reduction="sum").item()],
                                   dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts)  # correct, scored, summed cross-entropy
         # Are the replicas identical? (max |w_rank - w_rank0| over all weights and ranks)
         flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]).double()
         ref = flat.clone()
@@ -935,6 +969,7 @@ class Run:
         self.row.update(
             status="ok",
             test_acc=float(counts[0] / counts[1]),
+            test_loss=float(counts[2] / counts[1]),
             ms_per_step=float(med.item() / world),
             compression=compression,
             bytes_per_step=cfg.wire(buckets, ctx),
@@ -1028,7 +1063,7 @@ def fmt_state(per_rank: List[int]) -> str:
 
 def render_markdown(rows, meta) -> str:
     lines = [
-        f"### ddpx main job: digits MLP, {meta['world']} ranks, {meta['backend']} on "
+        f"### ddpx main job: {meta['task']}, {meta['world']} ranks, {meta['backend']} on "
         f"{meta['device_type']}, torch {meta['torch']}",
         "",
         "| hook | registration | test acc | ms/step | compression | bytes sent/step "
@@ -1047,14 +1082,15 @@ def render_markdown(rows, meta) -> str:
             f"{r['ms_per_step']:.2f} | {fmt_compression(r['compression'])} | "
             f"{fmt_bytes(r['bytes_per_step'])}{mark} | "
             f"{fmt_state(r['opt_state_bytes_per_rank'])} | {r['final_loss']:.5f} |")
-    lines += ["", f"Model: MLP {meta['model']} ({meta['n_params']:,} parameters), DDP buckets "
+    lines += ["", f"Model: {meta['model']} ({meta['n_params']:,} parameters), DDP buckets "
               f"(numel, dtype as DDP's Reducer built them): {meta['buckets']}; "
               f"{meta['epochs']} epochs, batch {meta['batch_size']} per rank, "
               f"{meta['steps_per_config']} steps per configuration, SGD lr {meta['lr']} "
               "momentum 0.9; every configuration starts from the same weights and sees the "
               "same data order.", ""]
-    lines.append("- test acc: the whole test set (360 images), each rank scoring its share with "
-                 "its own replica. ms/step: forward + backward (with the hook) + optimizer step, "
+    lines.append(f"- test acc: {meta['test_set']}, each rank scoring its share with its own "
+                 "replica (the test loss, in results.json, likewise). ms/step: forward + "
+                 "backward (with the hook) + optimizer step, "
                  f"median over the steps after the first {meta['warmup_steps']} (warm-up), mean "
                  "over ranks; the configurations train interleaved, one step each in turn on "
                  "the same batch, each step starting on all ranks together (barrier, not timed), "
@@ -1093,7 +1129,8 @@ def render_markdown(rows, meta) -> str:
     if meta.get("quantized_start") is not None:
         lines.append(
             f"- quantized_hook rows: QuantizedState(bits, use_error_feedback, start_iter = "
-            f"{meta['quantized_start']}), block_size 256, nearest rounding; plain fp32 allreduce "
+            f"{meta['quantized_start']}), block_size 256, nearest rounding unless the row says "
+            "stochastic; plain fp32 allreduce "
             "for the first start_iter steps, so the bytes/step and compression above are those "
             "of a quantized step (the whole-run mean is in results.json). torch's quantization "
             "hooks run with their DDP model in one bucket: they issue a collective from a "
@@ -1105,12 +1142,14 @@ def render_markdown(rows, meta) -> str:
 
 
 # The families the pictures group rows by: (name, substrings of the hook column), first match.
-FAMILIES = [("PowerSGD", ("powerSGD",)), ("quantized", ("quantiz",)),
+FAMILIES = [("PowerSGD", ("powerSGD",)), ("quantized, no error feedback", ("no error feedback",)),
+            ("quantized", ("quantiz",)),
             ("post-local SGD", ("post_localSGD",)), ("ZeRO", ("Zero", "ZeRO")),
             ("16-bit", ("fp16", "bf16")), ("allreduce", ("allreduce", "no hook")),
             ("noop", ("noop",))]
-_FAMILY_MARKERS = {"PowerSGD": "D", "quantized": "s", "post-local SGD": "^", "ZeRO": "P",
-                   "16-bit": "v", "allreduce": "o", "noop": "X", "other": "*"}
+_FAMILY_MARKERS = {"PowerSGD": "D", "quantized": "s", "quantized, no error feedback": "p",
+                   "post-local SGD": "^", "ZeRO": "P", "16-bit": "v", "allreduce": "o",
+                   "noop": "X", "other": "*"}
 
 
 def family_of(hook: str) -> str:
@@ -1136,7 +1175,7 @@ def _smoothed_loss(row, win: int):
     return (torch.arange(len(smooth)) + win).numpy(), smooth.numpy()
 
 
-def plot_accuracy_vs_bytes(rows, path: str) -> None:
+def plot_accuracy_vs_bytes(rows, path: str, title: str) -> None:
     """One point per row: test accuracy against the bytes a rank sends per step (the table's
     model), log scale. torch's rows hollow and orange, ddpx's filled and blue, the marker the
     family. Rows with the same bytes and accuracy (a hook drop-in and native, torch's and
@@ -1194,7 +1233,7 @@ def plot_accuracy_vs_bytes(rows, path: str) -> None:
         lines.append(f"{n:>2}  {acc:.2f}%  {b / 1e6:.3g} MB  {names}")
     ax.set_xlabel("bytes a rank sends per step (modelled from the buckets), log scale")
     ax.set_ylabel("test accuracy at the end (%)")
-    ax.set_title("digits MLP: accuracy against bytes per step")
+    ax.set_title(f"{title}: accuracy against bytes per step")
     ax.grid(True, which="both", alpha=0.3)
     from matplotlib.lines import Line2D
     handles = [Line2D([], [], marker=_FAMILY_MARKERS[f], linestyle="", color="gray", label=f)
@@ -1222,7 +1261,7 @@ def plot_accuracy_vs_bytes(rows, path: str) -> None:
     plt.close(fig)
 
 
-def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
+def plot_curves(rows, path: str, steps_per_epoch: int, title: str) -> None:
     """The training loss per step (all-rank mean, moving average over half an epoch) as small
     multiples: a panel per family of hooks, each with the first row (DDP's default) in grey
     beneath its own rows, so that no panel holds more than a handful of lines."""
@@ -1250,14 +1289,14 @@ def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
         ax.set_title(fam, fontsize=10)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6, loc="upper right")
+        ax.legend(fontsize=6, loc="best", framealpha=0.7)
     for ax in list(axes.flat)[len(fams):]:
         ax.axis("off")
     for ax in axes[-1]:
         ax.set_xlabel(f"step ({steps_per_epoch} per epoch)")
     for ax in axes[:, 0]:
         ax.set_ylabel("training loss (log)")
-    fig.suptitle(f"digits MLP: training loss per family of hooks (moving average over {win} "
+    fig.suptitle(f"{title}: training loss per family of hooks (moving average over {win} "
                  f"steps); grey: {base['hook']}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1265,8 +1304,10 @@ def plot_curves(rows, path: str, steps_per_epoch: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None, extend: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+               description: str = __doc__.split("\n")[0]):
+    """The job's arguments; `extend` adds a task's own (and may change defaults)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default="out", help="output folder (rank 0 writes there)")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -1308,6 +1349,8 @@ def parse_args(argv=None):
                    help="write the data set, the initial weights and these settings for the C++ "
                    "job (examples/cpp/train_digits.cpp) to FILE and exit (no training, no "
                    "process group)")
+    if extend is not None:
+        extend(p)
     return p.parse_args(argv)
 
 
@@ -1316,9 +1359,10 @@ def export_cpp_data(args) -> None:
     torch::jit::pickle_load: the same split and standardisation, the initial weights drawn here
     (torch.manual_seed(seed), make_mlp), and this job's settings, so that both jobs train the
     same thing."""
-    x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
+    task = digits_task(args)
+    x_tr, y_tr, x_te, y_te = task.data
     torch.manual_seed(args.seed)
-    init_state = make_mlp(args.hidden, args.depth).state_dict()
+    init_state = task.make_net().state_dict()
     out: Dict[str, Any] = dict(
         x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te,
         param_names=list(init_state.keys()),
@@ -1333,8 +1377,11 @@ def export_cpp_data(args) -> None:
           f"{sum(v.numel() for v in init_state.values()):,} parameters")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, make_task: Callable[[Any], Task] = digits_task,
+         args: Optional[argparse.Namespace] = None) -> int:
+    """Trains every configuration on `make_task(args)`'s task (digits by default) and writes the
+    report. `args`: already parsed (another task's example parses its own)."""
+    args = args if args is not None else parse_args(argv)
     if args.export_cpp_data:
         export_cpp_data(args)
         return 0
@@ -1359,14 +1406,13 @@ def main(argv=None) -> int:
     dist.init_process_group(backend, rank=rank, world_size=world)
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
-    data = load_digits_split(args.seed)
-    data = tuple(t.to(device) for t in data)
+    task = make_task(args)
+    data = tuple(t.to(device) for t in task.data)
     torch.manual_seed(args.seed)
-    init_state = {k: v.clone() for k, v in make_mlp(args.hidden, args.depth).to(device)
-                  .state_dict().items()}
+    init_state = {k: v.clone() for k, v in task.make_net().to(device).state_dict().items()}
 
     def make_model() -> nn.Module:
-        m = make_mlp(args.hidden, args.depth).to(device)
+        m = task.make_net().to(device)
         m.load_state_dict(init_state)
         return m
 
@@ -1382,9 +1428,9 @@ def main(argv=None) -> int:
         s0 = max(1, round(0.2 * steps))
         args.localsgd_start = s0 + (steps - 1 - s0) % args.localsgd_period
     ctx = WireContext(world=world, backend=backend, device=device)
-    log(f"train_digits: {world} ranks, backend {backend}, device {device.type}, torch "
+    log(f"{task.title}: {world} ranks, backend {backend}, device {device.type}, torch "
         f"{torch.__version__}, {n_params:,} parameters, {len(data[0])} train / "
-        f"{len(data[2])} test images, {steps} steps, ddpx from {os.path.dirname(ddpx.__file__)}")
+        f"{len(data[2])} test samples, {steps} steps, ddpx from {os.path.dirname(ddpx.__file__)}")
 
     probe = probe_buckets(make_model, data[0], data[1], device)
     log(f"buckets seen by a hook: {[(b['numel'], b['dtype']) for b in probe]}")
@@ -1503,7 +1549,7 @@ def main(argv=None) -> int:
         ok = [r for r in rows if r["status"] == "ok"]
         meta = dict(
             world=world, backend=backend, device_type=device.type, torch=torch.__version__,
-            model="64-" + "-".join([str(args.hidden)] * args.depth) + "-10",
+            task=task.title, model=task.model, test_set=task.test_set,
             n_params=n_params, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
             powersgd_start=(args.powersgd_start if any(c.powersgd for c in configs) else None),
             quantized_start=(args.quantized_start if any(c.quantized for c in configs)
@@ -1530,8 +1576,9 @@ def main(argv=None) -> int:
         written = ["results.md", "results.json"]
         if not args.no_plot:
             plot_curves(rows, os.path.join(args.out, "loss_curves.png"),
-                        meta["steps_per_config"] // max(1, args.epochs))
-            plot_accuracy_vs_bytes(rows, os.path.join(args.out, "accuracy_vs_bytes.png"))
+                        meta["steps_per_config"] // max(1, args.epochs), task.title)
+            plot_accuracy_vs_bytes(rows, os.path.join(args.out, "accuracy_vs_bytes.png"),
+                                   task.title)
             written += ["loss_curves.png", "accuracy_vs_bytes.png"]
         print(md, flush=True)
         print("wrote " + ", ".join(os.path.join(args.out, f) for f in written), flush=True)
