@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ._groups import group_ranks, new_subgroups_by_ranks, resolve_group
 from ._loader import _C
-from .hooks._native import check_int, native_property
+from ._native import check_int, native_property
 from .hooks.post_localSGD_hook import hook_state_of
 
 __all__ = [

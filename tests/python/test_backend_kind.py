@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ddpx import _compat
-from ddpx._zero import ZeroRedundancyOptimizer
+from ddpx.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from dist_utils import run_ranks
 
 GROUPS_MAP_DEVICES = hasattr(dist.ProcessGroup, "_get_backend")  # torch 2.x

@@ -365,7 +365,7 @@ def _no_torchscript_rank(rank, world_size, init_file):
                 before = rpc.rpc_sync("worker1", _get_param, args=("ts",))
                 _const_grad_step(opt, "ts", "worker1")
                 moves.append(before - rpc.rpc_sync("worker1", _get_param, args=("ts",)))
-        builtin, ddpx._dist_optim._BUILTIN_STEP = ddpx._dist_optim._BUILTIN_STEP, None
+        builtin, ddpx.optim.optimizer._BUILTIN_STEP = ddpx.optim.optimizer._BUILTIN_STEP, None
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -374,7 +374,7 @@ def _no_torchscript_rank(rank, world_size, init_file):
                     _const_grad_step(opt, "ts", "worker1")
                     moves.append(before - rpc.rpc_sync("worker1", _get_param, args=("ts",)))
         finally:
-            ddpx._dist_optim._BUILTIN_STEP = builtin
+            ddpx.optim.optimizer._BUILTIN_STEP = builtin
         report["moves"] = moves
         report["fallback_warnings"] = [str(c.message) for c in caught
                                        if "DistributedOptimizer" in str(c.message)]
@@ -401,7 +401,7 @@ def _fallback_and_errors_rank(rank, world_size, init_file):
         # The fallback: torch's optimizer in Python on the owner, a warning once.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ddpx._dist_optim._warned.clear()
+            ddpx.optim.optimizer._warned.clear()
             fb = DistributedOptimizer(torch.optim.Rprop, [w], lr=0.05)
             DistributedOptimizer(torch.optim.Rprop, [w], lr=0.05)
         report["warnings"] = [str(c.message) for c in caught

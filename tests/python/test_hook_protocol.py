@@ -1,4 +1,4 @@
-"""The state protocol of ``ddpx.hooks._native``, through which every hook reaches its C++ object
+"""The state protocol of ``ddpx._native``, through which every hook reaches its C++ object
 and a state hears of its registration and of every bucket: a state class written against it,
 as a new hook's would be, works on both paths; post-local SGD's parameter tagging reaches the
 parameters through a compress wrapper too; the package's modules hold what ``ddpx.hooks``
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ddp_cases as dc
 import ddpx
-from ddpx.hooks import _native
+from ddpx import _native
 from ddpx.hooks.post_localSGD_hook import hook_state_of
 from dist_utils import catch, run_ranks
 
@@ -121,26 +121,28 @@ def test_wrapped_post_local_sgd_tags_parameters(mode):
 
 
 MODULES = {
-    "default_hooks": ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-                      "fp16_compress_wrapper", "bf16_compress_wrapper", "noop_hook"],
-    "powerSGD_hook": ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"],
-    "post_localSGD_hook": ["PostLocalSGDState", "post_localSGD_hook"],
-    "ddp_zero_hook": ["hook_with_zero_step", "hook_with_zero_step_interleaved"],
-    "zero_reduce_scatter_hook": ["reduce_scatter_hook"],
-    "quantization_hooks": ["quantization_pertensor_hook", "quantization_perchannel_hook"],
-    "quantized_hook": ["QuantizedState", "quantized_hook"],
-    "_native": ["register_comm_hook", "native_hook"],
-    "_hook_type": ["DDPCommHookType", "register_ddp_comm_hook"],
+    "ddpx.hooks.default_hooks": ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+                                 "fp16_compress_wrapper", "bf16_compress_wrapper", "noop_hook"],
+    "ddpx.hooks.powerSGD_hook": ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"],
+    "ddpx.hooks.post_localSGD_hook": ["PostLocalSGDState", "post_localSGD_hook"],
+    "ddpx.hooks.ddp_zero_hook": ["hook_with_zero_step", "hook_with_zero_step_interleaved"],
+    "ddpx.hooks.zero_reduce_scatter_hook": ["reduce_scatter_hook"],
+    "ddpx.hooks.quantization_hooks": [
+        "quantization_pertensor_hook", "quantization_perchannel_hook"],
+    "ddpx.hooks.quantized_hook": ["QuantizedState", "quantized_hook"],
+    "ddpx._native": ["register_comm_hook", "native_hook"],
+    "ddpx.hooks._hook_type": ["DDPCommHookType", "register_ddp_comm_hook"],
 }
 
 
 def test_modules_hold_what_ddpx_hooks_exports():
-    """Every name of ddpx.hooks.__all__ comes from one module of the package; the attributes
+    """Every name of ddpx.hooks.__all__ comes from one module of the package (or the machinery
+    ddpx._native, shared with the averagers); the attributes
     ddpx.hooks.powerSGD_hook / post_localSGD_hook stay the hook functions even though modules
     of the same names exist; the states log under their module's name."""
     assert sorted(ddpx.hooks.__all__) == sorted(n for names in MODULES.values() for n in names)
     for module, names in MODULES.items():
-        mod = importlib.import_module(f"ddpx.hooks.{module}")
+        mod = importlib.import_module(module)
         for name in names:
             assert getattr(ddpx.hooks, name) is getattr(mod, name), name
     for module in ("powerSGD_hook", "post_localSGD_hook"):

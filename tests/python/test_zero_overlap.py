@@ -110,11 +110,11 @@ def behaviour(rank: int, world_size: int):
             records.append(record.getMessage())
 
     handler = Catch()
-    logging.getLogger("ddpx._zero").addHandler(handler)
+    logging.getLogger("ddpx.optim.zero_redundancy_optimizer").addHandler(handler)
     try:
         res["step_returns"] = zero.step()
     finally:
-        logging.getLogger("ddpx._zero").removeHandler(handler)
+        logging.getLogger("ddpx.optim.zero_redundancy_optimizer").removeHandler(handler)
     res["step_warned"] = any("should not be included in the training loop" in r for r in records)
     res["unchanged_by_step"] = all(torch.equal(a, b) for a, b in
                                    zip(before, model.parameters()))

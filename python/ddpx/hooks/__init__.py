@@ -10,13 +10,13 @@ beside its hooks: ``default_hooks`` (the default hooks, the compress wrappers, `
 (quantized gradients with error feedback) and ``ddp_zero_hook`` (ZeRO's
 overlap with DDP), and
 ddpx's own ``zero_reduce_scatter_hook`` (ZeRO-2 style gradient sharding);
-``_native`` is the machinery they share (see its
+``ddpx._native`` is the machinery they share with the model averagers (see its
 docstring for the state protocol a new hook's state implements). As before, the attributes
 ``ddpx.hooks.powerSGD_hook`` and ``ddpx.hooks.post_localSGD_hook`` are the hook *functions*;
 import the modules of the same name with ``from ddpx.hooks.powerSGD_hook import ...``.
 """
+from .._native import native_hook, register_comm_hook
 from ._hook_type import DDPCommHookType, register_ddp_comm_hook
-from ._native import native_hook, register_comm_hook
 from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from .default_hooks import (
     allreduce_hook,

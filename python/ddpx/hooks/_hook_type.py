@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._native import HookFn, register_comm_hook
+from .._native import HookFn, register_comm_hook
 from .default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .quantization_hooks import quantization_perchannel_hook, quantization_pertensor_hook

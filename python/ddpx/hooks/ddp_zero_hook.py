@@ -31,7 +31,7 @@ __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 
 def _check(zero: Any, ddp: Any) -> None:
-    from .._zero import ZeroRedundancyOptimizer
+    from ..optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("ddpx.hooks.hook_with_zero_step: ddp must be the DistributedDataParallel "
                         f"model, got {type(ddp).__name__}")

@@ -4,7 +4,7 @@ C++ code. Their state is a ProcessGroup, or None for the default group."""
 import torch
 
 from .._loader import _C
-from ._native import HookFn, make_hook, native_hook
+from .._native import HookFn, make_hook, native_hook
 
 
 def _example(hook: str) -> str:

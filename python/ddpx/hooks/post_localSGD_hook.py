@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .._groups import check_optional_group, intra_node_subgroup, resolve_group
 from .._loader import _C
-from ._native import (
+from .._native import (
     NativeState,
     check_int,
     declare_torch_slots,
@@ -121,7 +121,7 @@ class PostLocalSGDState(NativeState):
                 f"post_local_gradient_allreduce={self.post_local_gradient_allreduce}, "
                 f"iter={self.iter})")
 
-    # -- the state protocol (ddpx.hooks._native) -----------------------------------------------
+    # -- the state protocol (ddpx._native) -----------------------------------------------
     def _ddpx_native_(self, hook_name: str) -> "_C.PostLocalSGDState":
         """The C++ state, with the intra-node subgroup created if it will be needed."""
         if self._subgroup is None and self.post_local_gradient_allreduce:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .._groups import resolve_group
 from .._loader import _C
-from ._native import (
+from .._native import (
     NativeState,
     check_int,
     check_number,

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .._loader import _C
-from ._native import HookFn, check_int, make_hook
+from .._native import HookFn, check_int, make_hook
 
 _COMMON = """
     Every rank quantizes its bucket to ``torch.uint8`` with the parameters of

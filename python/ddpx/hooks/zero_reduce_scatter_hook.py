@@ -173,7 +173,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket, bits: int = 32,
 
     Residuals are kept per bucket layout: DDP's rebuild after the first iteration restarts them
     from zero. ``bits=32`` (the default) sends the values themselves."""
-    from .._zero import ZeroRedundancyOptimizer
+    from ..optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
     _check_format(bits, block_size)
     zero = state
     if not isinstance(zero, ZeroRedundancyOptimizer):

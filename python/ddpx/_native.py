@@ -30,9 +30,9 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _compat
-from .._groups import resolve_group
-from .._loader import _C
+from . import _compat
+from ._groups import resolve_group
+from ._loader import _C
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 

@@ -1,21 +1,12 @@
-"""Distributed optimizers: torch's ``torch.distributed.optim.PostLocalSGDOptimizer`` over ddpx's
-native model averagers, ``ZeroRedundancyOptimizer`` over ddpx's ZeRO engine, and the RPC
-``DistributedOptimizer`` with the owners' steps in C++."""
+"""``ddpx.optim.PostLocalSGDOptimizer``: torch's ``PostLocalSGDOptimizer`` over ddpx's native
+model averagers (``ddpx.model_averaging``)."""
 import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ._zero import ZeroRedundancyOptimizer
-
-__all__ = ["PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"]
-
-try:  # torch.distributed.rpc is missing from some builds of torch
-    from ._dist_optim import DistributedOptimizer  # noqa: F401
-    __all__.append("DistributedOptimizer")
-except ImportError:  # pragma: no cover
-    pass
+__all__ = ["PostLocalSGDOptimizer"]
 
 
 def _torch_zero_grad_default() -> bool:

@@ -34,8 +34,8 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
-from . import _compat
-from ._loader import _C
+from .. import _compat
+from .._loader import _C
 
 __all__ = ["DistributedOptimizer"]
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from . import _compat
-from ._loader import _C
+from .. import _compat
+from .._loader import _C
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
