@@ -1,5 +1,5 @@
 // The C++ side of benchmarks/bench_cpp_ddp.py: DDP training steps of an MLP with
-// ddpx::DistributedDataParallel under torchrun (Gloo), timed per phase (forward + loss,
+// ddpx::ddp::DistributedDataParallel under torchrun (Gloo), timed per phase (forward + loss,
 // backward with the gradient communication, optimizer step), for each model size and hook the
 // driver names. Rank 0 prints one JSON line per configuration:
 //   {"side": "cpp", "model": "64-512-512-10", "hook": "allreduce", "total": ms, "forward": ms,
@@ -75,8 +75,8 @@ void bench(const ddpx::ProcessGroupPtr& pg, const std::string& model, const std:
   torch::manual_seed(0);
   torch::nn::Sequential net = make_mlp(widths);
   // "local": the module alone, no DDP and no communication (the per-step cost of the language).
-  std::unique_ptr<ddpx::DistributedDataParallel> ddp;
-  if (hook != "local") ddp = std::make_unique<ddpx::DistributedDataParallel>(net, pg);
+  std::unique_ptr<ddpx::ddp::DistributedDataParallel> ddp;
+  if (hook != "local") ddp = std::make_unique<ddpx::ddp::DistributedDataParallel>(net, pg);
   if (hook == "fp16") {
     ddp->register_comm_hook(ddpx::hooks::fp16_compress_hook(pg));
   } else if (hook == "powersgd") {
@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    auto pg = ddpx::init_process_group_from_env("gloo");
+    auto pg = ddpx::ddp::init_process_group_from_env("gloo");
     const char* lw = std::getenv("LOCAL_WORLD_SIZE");
     const int64_t local_world = lw ? std::max(1LL, std::atoll(lw)) : pg->getSize();
     const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""C++ training program vs Python: DDP step time of ddpx::DistributedDataParallel in a libtorch
+"""C++ training program vs Python: DDP step time of ddpx::ddp::DistributedDataParallel in a libtorch
 program (benchmarks/bench_cpp_ddp.cpp) against torch's Python DistributedDataParallel, same model,
 hook, optimizer, batch and thread count, 2 Gloo ranks under torchrun, timed per phase:
 

@@ -1,9 +1,9 @@
 // Post-local SGD in a C++ libtorch training loop: two Gloo ranks (threads) train a linear
 // regression on different data with ddpx::hooks::post_localSGD_hook averaging the gradients
 // (globally during the warm-up, then within a one-rank subgroup: not at all) and
-// ddpx::PostLocalSGDOptimizer (SGD + ddpx::PeriodicModelAverager) averaging the parameters every
-// kPeriod steps. Without DDP, the program puts the gradients in a bucket itself, as DDP's
-// Reducer does.
+// ddpx::optim::PostLocalSGDOptimizer (SGD + ddpx::optim::PeriodicModelAverager) averaging the
+// parameters every kPeriod steps. Without DDP, the program puts the gradients in a bucket itself,
+// as DDP's Reducer does.
 //
 // Checks: replicas are identical after every warm-up step and every averaging step, differ
 // between averaging steps; the loss falls; save()/load() restores the averager's step.
@@ -91,9 +91,9 @@ void train(int rank, const c10::intrusive_ptr<c10d::Store>& store, const at::Ten
   auto state = std::make_shared<ddpx::hooks::PostLocalSGDState>(
       pg, subgroup, kStart, /*post_local_gradient_allreduce=*/true, [](const std::string&) {});
   auto hook = ddpx::hooks::post_localSGD_hook(state);
-  ddpx::PostLocalSGDOptimizer opt(
+  ddpx::optim::PostLocalSGDOptimizer opt(
       std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05)),
-      std::make_shared<ddpx::PeriodicModelAverager>(kPeriod, kStart, pg));
+      std::make_shared<ddpx::optim::PeriodicModelAverager>(kPeriod, kStart, pg));
 
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
@@ -115,9 +115,9 @@ void train(int rank, const c10::intrusive_ptr<c10d::Store>& store, const at::Ten
     opt.save(archive);
     archive.save_to(bytes);
   }
-  ddpx::PostLocalSGDOptimizer resumed(
+  ddpx::optim::PostLocalSGDOptimizer resumed(
       std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05)),
-      std::make_shared<ddpx::PeriodicModelAverager>(kPeriod, kStart, pg));
+      std::make_shared<ddpx::optim::PeriodicModelAverager>(kPeriod, kStart, pg));
   torch::serialize::InputArchive in;
   in.load_from(bytes);
   resumed.load(in);

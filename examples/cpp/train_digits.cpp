@@ -1,7 +1,7 @@
 // The ddpx C++ main job: examples/train_digits.py's training in a libtorch program. The same
 // digits MLP, initial weights, data split, batches, SGD and schedule, trained data-parallel with
-// ddpx::DistributedDataParallel once per configuration (DDP's default allreduce, torch's built-in
-// C++ hooks, ddpx's hooks, post-local SGD with ddpx's PostLocalSGDOptimizer, ddpx's
+// ddpx::ddp::DistributedDataParallel once per configuration (DDP's default allreduce, torch's
+// built-in C++ hooks, ddpx's hooks, post-local SGD with ddpx's PostLocalSGDOptimizer, ddpx's
 // ZeroRedundancyOptimizer), launched by torchrun like any job:
 //
 //   python examples/train_digits.py --export-cpp-data out/digits_cpp.pt     # once, no download
@@ -200,7 +200,7 @@ struct Context {
   ProcessGroupPtr localsgd_subgroup;
 };
 
-using Setup = std::function<RunParts(ddpx::DistributedDataParallel&, const Context&)>;
+using Setup = std::function<RunParts(ddpx::ddp::DistributedDataParallel&, const Context&)>;
 
 struct Config {
   std::string name;
@@ -210,7 +210,7 @@ struct Config {
   bool synchronises = true;
 };
 
-std::function<void()> sgd_step(ddpx::DistributedDataParallel& ddp, const Context& c) {
+std::function<void()> sgd_step(ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
   auto sgd = std::make_shared<torch::optim::SGD>(ddp.module().parameters(),
                                                  torch::optim::SGDOptions(c.s.lr).momentum(0.9));
   return [sgd] { sgd->step(); };
@@ -220,7 +220,7 @@ Config hook_row(const std::string& name, const std::string& python_row,
                 std::function<ddpx::hooks::CommHookPtr(const Context&)> make_hook,
                 double compression = 1.0) {
   return {name, python_row,
-          [make_hook](ddpx::DistributedDataParallel& ddp, const Context& c) {
+          [make_hook](ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
             ddp.register_comm_hook(make_hook(c));
             return RunParts{sgd_step(ddp, c), nullptr};
           },
@@ -230,7 +230,7 @@ Config hook_row(const std::string& name, const std::string& python_row,
 Config builtin_row(const std::string& name, const std::string& python_row,
                    c10d::BuiltinCommHookType type, double compression) {
   return {name, python_row,
-          [type](ddpx::DistributedDataParallel& ddp, const Context& c) {
+          [type](ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
             ddp.register_builtin_comm_hook(type);
             return RunParts{sgd_step(ddp, c), nullptr};
           },
@@ -240,7 +240,7 @@ Config builtin_row(const std::string& name, const std::string& python_row,
 Config powersgd_row(const std::string& name, int64_t rank, bool batched, bool fp16 = false) {
   const std::string full = name + " r=" + std::to_string(rank);
   return {full, full + " (native)",
-          [rank, batched, fp16](ddpx::DistributedDataParallel& ddp, const Context& c) {
+          [rank, batched, fp16](ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
             ddpx::hooks::PowerSGDOptions o;
             o.matrix_approximation_rank = rank;
             o.start_powerSGD_iter = c.s.powersgd_start;
@@ -258,16 +258,16 @@ Config powersgd_row(const std::string& name, int64_t rank, bool batched, bool fp
 Config local_sgd_row() {
   const std::string name = "ddpx post_localSGD_hook + PostLocalSGDOptimizer";
   return {name, name + " (native)",
-          [](ddpx::DistributedDataParallel& ddp, const Context& c) {
+          [](ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
             auto state = std::make_shared<ddpx::hooks::PostLocalSGDState>(
                 c.pg, c.localsgd_subgroup, c.s.localsgd_start,
                 /*post_local_gradient_allreduce=*/true, [](const std::string&) {});
             ddp.register_comm_hook(ddpx::hooks::post_localSGD_hook(state));
-            auto opt = std::make_shared<ddpx::PostLocalSGDOptimizer>(
+            auto opt = std::make_shared<ddpx::optim::PostLocalSGDOptimizer>(
                 std::make_shared<torch::optim::SGD>(ddp.module().parameters(),
                                                     torch::optim::SGDOptions(c.s.lr).momentum(0.9)),
-                std::make_shared<ddpx::PeriodicModelAverager>(c.s.localsgd_period,
-                                                              c.s.localsgd_start, c.pg));
+                std::make_shared<ddpx::optim::PeriodicModelAverager>(c.s.localsgd_period,
+                                                                     c.s.localsgd_start, c.pg));
             return RunParts{[opt, state] { opt->step(); }, nullptr};
           },
           std::nullopt};
@@ -275,7 +275,7 @@ Config local_sgd_row() {
 
 Config zero_row(const std::string& name, ddpx::optim::ZeroPartition partition) {
   return {name, name + " (DDP default)",
-          [partition](ddpx::DistributedDataParallel& ddp, const Context& c) {
+          [partition](ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
             ddpx::optim::ZeroOptions o;
             o.partition = partition;
             const double lr = c.s.lr;
@@ -295,7 +295,7 @@ std::vector<Config> all_configs() {
   namespace H = ddpx::hooks;
   std::vector<Config> configs;
   configs.push_back({"no hook", "no hook (DDP default)",
-                     [](ddpx::DistributedDataParallel& ddp, const Context& c) {
+                     [](ddpx::ddp::DistributedDataParallel& ddp, const Context& c) {
                        return RunParts{sgd_step(ddp, c), nullptr};
                      }});
   configs.push_back(builtin_row("c10d built-in ALLREDUCE", "no hook (DDP default)",
@@ -335,7 +335,7 @@ std::vector<Config> all_configs() {
 struct Run {
   Config cfg;
   torch::nn::Sequential net;
-  std::unique_ptr<ddpx::DistributedDataParallel> ddp;
+  std::unique_ptr<ddpx::ddp::DistributedDataParallel> ddp;
   RunParts parts;
   std::vector<double> step_ms;
   std::vector<double> epoch_loss;
@@ -431,7 +431,7 @@ std::vector<RowResult> train_all(std::vector<Config> configs, const Digits& d, c
     run->cfg = std::move(cfg);
     run->net = make_mlp(d);
     try {
-      run->ddp = std::make_unique<ddpx::DistributedDataParallel>(run->net, pg);
+      run->ddp = std::make_unique<ddpx::ddp::DistributedDataParallel>(run->net, pg);
       run->parts = run->cfg.setup(*run->ddp, ctx);
     } catch (const std::exception& e) {  // the same on every rank
       run->error = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
@@ -547,7 +547,7 @@ std::string render(const std::vector<RowResult>& rows, const std::string& header
 }
 
 int run(const Args& args) {
-  auto pg = ddpx::init_process_group_from_env("gloo");
+  auto pg = ddpx::ddp::init_process_group_from_env("gloo");
   const int64_t rank = pg->getRank(), world = pg->getSize();
   // As the Python job: the ranks share the machine's cores, one share each.
   const char* local_world_env = std::getenv("LOCAL_WORLD_SIZE");
@@ -571,7 +571,7 @@ int run(const Args& args) {
         s0 + (((steps - 1 - s0) % s.localsgd_period) + s.localsgd_period) % s.localsgd_period;
   }
   Context ctx{pg, s, {}};
-  ctx.localsgd_subgroup = ddpx::new_subgroups(pg, static_cast<int>(s.localsgd_subgroup));
+  ctx.localsgd_subgroup = ddpx::ddp::new_subgroups(pg, static_cast<int>(s.localsgd_subgroup));
 
   std::vector<Config> configs = all_configs();
   if (!args.only.empty()) {

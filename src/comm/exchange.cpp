@@ -5,9 +5,9 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
-#include <ddpx/common/compat.h>
 
 #include "comm/staging.h"
+#include "common/compat_internal.h"
 #include "ops/cast.h"
 
 namespace ddpx {

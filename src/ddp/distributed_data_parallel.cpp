@@ -1,7 +1,6 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <ddpx/comm/bucketed.h>
-#include <ddpx/common/compat.h>
 #include <ddpx/ddp/distributed_data_parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -14,8 +13,10 @@
 #include <unordered_set>
 
 #include "comm/digest.h"
+#include "common/compat_internal.h"
 
 namespace ddpx {
+namespace ddp {
 namespace {
 
 // Python DDP's dist._DEFAULT_FIRST_BUCKET_BYTES.
@@ -397,4 +398,5 @@ DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
   if (ddp_ != nullptr) ddp_->require_backward_grad_sync_ = previous_;
 }
 
+}  // namespace ddp
 }  // namespace ddpx

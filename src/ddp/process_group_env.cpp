@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 namespace ddpx {
+namespace ddp {
 namespace {
 
 constexpr const char* kTorchrunVars =
@@ -145,7 +146,7 @@ ProcessGroupPtr new_group(const ProcessGroupPtr& world, std::vector<int> ranks,
     std::lock_guard<std::mutex> lock(registry_mutex());
     auto it = registry().find(world.get());
     TORCH_CHECK_VALUE(it != registry().end() && it->second.group.lock() == world,
-                      "new_group: the world group was not made by ddpx::init_process_group or "
+                      "new_group: the world group was not made by ddpx::ddp::init_process_group or "
                       "init_process_group_from_env (its store is needed to build the new group)");
     store = it->second.store;
     backend = it->second.backend;
@@ -204,4 +205,5 @@ ProcessGroupPtr init_process_group_from_env(const std::string& backend,
                             static_cast<int>(port), timeout, use_agent_store);
 }
 
+}  // namespace ddp
 }  // namespace ddpx

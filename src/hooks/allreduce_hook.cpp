@@ -7,6 +7,9 @@
 namespace ddpx {
 namespace hooks {
 
+using comm::ExchangeMode;
+using comm::resolve_exchange_mode;
+
 AllreduceHook::AllreduceHook(ProcessGroupPtr process_group, ExchangeMode exchange)
     : pg_(std::move(process_group)),
       exchange_(exchange),

@@ -8,7 +8,10 @@
 
 namespace ddpx {
 namespace hooks {
+
 using comm::cast_gather_sum_into;
+using comm::ExchangeMode;
+using comm::resolve_exchange_mode;
 
 CompressHook::CompressHook(ProcessGroupPtr process_group, at::ScalarType dtype,
                            ExchangeMode exchange)

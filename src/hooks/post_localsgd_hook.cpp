@@ -9,6 +9,8 @@
 namespace ddpx {
 namespace hooks {
 
+using comm::ExchangeMode;
+
 namespace {
 constexpr const char* kWho = "PostLocalSGDState";
 

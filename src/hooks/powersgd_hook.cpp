@@ -17,6 +17,8 @@ namespace ddpx {
 namespace hooks {
 
 using comm::ExchangeMode;
+
+using comm::ExchangeMode;
 using comm::sum_into;
 using detail::BucketLayout;
 using detail::CompMatrix;

@@ -1,6 +1,5 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <ddpx/common/compat.h>
 #include <ddpx/hooks/quantized_hook.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include "comm/deferred.h"
 #include "comm/exchange.h"
 #include "comm/staging.h"
+#include "common/compat_internal.h"
 #include "hooks/checkpoint_reader.h"
 #include "hooks/hook_utils.h"
 #include "hooks/parameter_keys.h"
@@ -17,6 +17,8 @@
 
 namespace ddpx {
 namespace hooks {
+
+using comm::ExchangeMode;
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 

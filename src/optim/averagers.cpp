@@ -5,6 +5,10 @@
 namespace ddpx {
 namespace optim {
 
+using comm::AverageOptions;
+using comm::AverageStats;
+using comm::params_with_grad;
+
 namespace {
 const char* kPeriodOneAdvice =
     "no need to use model averaging because the communication cost of all-reducing parameters "

@@ -1,11 +1,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <ddpx/common/compat.h>
 #include <ddpx/optim/functional.h>
 
 #include <cmath>
 #include <utility>
 
+#include "common/compat_internal.h"
 #include "ops/optim.h"
 
 namespace ddpx {

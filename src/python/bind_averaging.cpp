@@ -14,6 +14,12 @@ namespace python {
 
 namespace {
 
+using comm::AverageOptions;
+using comm::AverageStats;
+using optim::HierarchicalModelAverager;
+using optim::ModelAverager;
+using optim::PeriodicModelAverager;
+
 py::dict stats_dict(const AverageStats& s) {
   py::dict d;
   d["tensors"] = s.tensors;
@@ -40,12 +46,12 @@ void bind_averaging(py::module& m) {
         AverageStats stats;
         {
           py::gil_scoped_release no_gil;
-          stats = ddpx::average_parameters(params, pg, options_from_bytes(bucket_cap_bytes));
+          stats = ddpx::comm::average_parameters(params, pg, options_from_bytes(bucket_cap_bytes));
         }
         return stats_dict(stats);
       },
       py::arg("params"), py::arg("process_group"),
-      py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes,
+      py::arg("bucket_cap_bytes") = comm::kDefaultBucketBytes,
       "Averages `params` in place over `process_group` (None: not a member, no-op) in bounded "
       "memory; returns what it did as a dict.");
 
@@ -99,7 +105,7 @@ void bind_averaging(py::module& m) {
             });
           }),
           py::arg("period"), py::arg("warmup_steps"), py::arg("process_group"),
-          py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes)
+          py::arg("bucket_cap_bytes") = comm::kDefaultBucketBytes)
       .def_property("period", &PeriodicModelAverager::period, &PeriodicModelAverager::set_period)
       .def_property("warmup_steps", &PeriodicModelAverager::warmup_steps,
                     &PeriodicModelAverager::set_warmup_steps);
@@ -120,7 +126,7 @@ void bind_averaging(py::module& m) {
              });
            }),
            py::arg("period_groups"), py::arg("warmup_steps"), py::arg("process_group"),
-           py::arg("bucket_cap_bytes") = kDefaultAverageBucketBytes)
+           py::arg("bucket_cap_bytes") = comm::kDefaultBucketBytes)
       .def_property("warmup_steps", &HierarchicalModelAverager::warmup_steps,
                     &HierarchicalModelAverager::set_warmup_steps)
       .def("group_index_for_step", &HierarchicalModelAverager::group_index_for_step,

@@ -1,5 +1,5 @@
 // Bindings of the default hooks, the CommHook base and native registration on DDP's Reducer.
-// The Python functions in ddpx/hooks/default_hooks.py and the machinery in ddpx/hooks/_native.py
+// The Python functions in ddpx/hooks/default_hooks.py and the machinery in ddpx/_native.py
 // wrap them.
 #include <ddpx/common/compat.h>
 #include <ddpx/hooks/allreduce_hook.h>
@@ -21,9 +21,9 @@ namespace ddpx {
 namespace python {
 namespace {
 
+using comm::ExchangeMode;
 using hooks::CommHook;
 using hooks::CommHookPtr;
-using hooks::ExchangeMode;
 
 // Runs a hook on a bucket handed over by DDP's Python path and returns a torch.futures.Future.
 std::shared_ptr<torch::jit::PythonFutureWrapper> run_hook(const CommHookPtr& hook,

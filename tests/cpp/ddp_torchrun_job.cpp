@@ -1,7 +1,7 @@
 // A C++ data-parallel training job as torchrun launches it (`torchrun --nproc_per_node=2
 // --no-python ddp_torchrun_job`; the ctest ddp_torchrun runs exactly that): the process group
-// from torchrun's environment (its agent store), ddpx::DistributedDataParallel over a small MLP
-// whose initial weights differ per rank, a ddpx hook, 4 SGD steps on rank-dependent data. Exits
+// from torchrun's environment (its agent store), ddpx::ddp::DistributedDataParallel over a small
+// MLP whose initial weights differ per rank, a ddpx hook, 4 SGD steps on rank-dependent data. Exits
 // non-zero unless every rank holds rank 0's initial weights after construction and the replicas
 // stay equal after every step (checked with an all-reduced min and max of the parameters).
 // `ddp_torchrun_job nccl` runs the same on NCCL, the model on GPU LOCAL_RANK
@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   try {
     at::set_num_threads(1);
     const std::string backend = argc > 1 ? argv[1] : "gloo";
-    auto pg = ddpx::init_process_group_from_env(backend);
+    auto pg = ddpx::ddp::init_process_group_from_env(backend);
     const int rank = pg->getRank();
     const char* local_rank = std::getenv("LOCAL_RANK");
     const at::Device device =
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
       for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init));
     }
     net->to(device);
-    ddpx::DistributedDataParallel ddp(net, pg, ddpx::DDPOptions().bucket_cap_mb(0.0005));
+    ddpx::ddp::DistributedDataParallel ddp(net, pg, ddpx::ddp::DDPOptions().bucket_cap_mb(0.0005));
     ddp.register_comm_hook(ddpx::hooks::allreduce_hook(pg));
     if (spread(net->parameters(), pg) != 0.0) {
       std::fprintf(stderr, "rank %d: replicas differ after construction\n", rank);

@@ -1,6 +1,6 @@
 // Tests of post-local SGD on real Gloo process groups (1 to 4 ranks as threads over one in-memory
 // c10d::HashStore, see test_utils.h):
-//   * ddpx::average_parameters: closed-form means for every floating dtype and mixed dtypes,
+//   * ddpx::comm::average_parameters: closed-form means for every floating dtype and mixed dtypes,
 //     in place, non-contiguous tensors, tensors larger than a bucket, many small tensors, stats;
 //   * PeriodicModelAverager / HierarchicalModelAverager: which steps average over which group;
 //   * PostLocalSGDState / PostLocalSGDHook: global then subgroup averaging, iteration counting,
@@ -207,9 +207,9 @@ Param make_param(const Spec& s) {
 
 // Averages tensors built from `specs` on n ranks with the dyadic inputs and checks each result
 // bit for bit, in place; `check_stats` (optional) sees every rank's stats.
-void check_dyadic_average(int n, const std::vector<Spec>& specs, const ddpx::AverageOptions& opt,
-                          int salt,
-                          const std::function<void(const ddpx::AverageStats&)>& check_stats = {}) {
+void check_dyadic_average(
+    int n, const std::vector<Spec>& specs, const ddpx::comm::AverageOptions& opt, int salt,
+    const std::function<void(const ddpx::comm::AverageStats&)>& check_stats = {}) {
   ddpx_test::run_ranks(n, [&](int rank, const ProcessGroupPtr& pg) {
     std::vector<Param> params;
     std::vector<at::Tensor> tensors;
@@ -220,7 +220,7 @@ void check_dyadic_average(int n, const std::vector<Spec>& specs, const ddpx::Ave
       tensors.push_back(p.t);
       params.push_back(p);
     }
-    const ddpx::AverageStats stats = ddpx::average_parameters(tensors, pg, opt);
+    const ddpx::comm::AverageStats stats = ddpx::comm::average_parameters(tensors, pg, opt);
     for (size_t k = 0; k < specs.size(); ++k) {
       const Param& p = params[k];
       EXPECT_TRUE(holds(p.t, dyadic_mean(salt + static_cast<int>(k), n, p.t.numel(), all_ranks(n))))
@@ -243,14 +243,14 @@ TEST(AverageParameters, ClosedFormMeanEveryDtypeAndWorldSize) {
     for (at::ScalarType dtype : kDtypes) {
       std::vector<Spec> specs;
       for (const auto& s : shapes) specs.push_back({s, dtype});
-      for (int64_t cap : {ddpx::kDefaultAverageBucketBytes, int64_t{256}}) {
+      for (int64_t cap : {ddpx::comm::kDefaultBucketBytes, int64_t{256}}) {
         SCOPED_TRACE(::testing::Message() << n << " ranks, " << dtype << ", cap " << cap);
-        check_dyadic_average(n, specs, {cap}, 10 * n, [&](const ddpx::AverageStats& st) {
+        check_dyadic_average(n, specs, {cap}, 10 * n, [&](const ddpx::comm::AverageStats& st) {
           if (n == 1) return;
           EXPECT_EQ(st.inplace_tensors + st.staged_tensors, st.tensors);
           EXPECT_LE(st.staging_bytes, 2 * cap);
           EXPECT_GE(st.collectives, 1);
-          if (cap == ddpx::kDefaultAverageBucketBytes) {
+          if (cap == ddpx::comm::kDefaultBucketBytes) {
             // Everything fits one bucket: a single allreduce.
             EXPECT_EQ(st.collectives, 1);
             EXPECT_EQ(st.staged_tensors, st.tensors);
@@ -270,9 +270,9 @@ TEST(AverageParameters, MixedDtypesPromoteAndCastBack) {
       {{{2, 40}, at::kDouble}, {{40}, at::kFloat}}};
   for (int n = 2; n <= 4; ++n) {
     for (size_t l = 0; l < lists.size(); ++l) {
-      for (int64_t cap : {ddpx::kDefaultAverageBucketBytes, int64_t{128}}) {
+      for (int64_t cap : {ddpx::comm::kDefaultBucketBytes, int64_t{128}}) {
         SCOPED_TRACE(::testing::Message() << n << " ranks, list " << l << ", cap " << cap);
-        check_dyadic_average(n, lists[l], {cap}, 100 + n, [&](const ddpx::AverageStats& st) {
+        check_dyadic_average(n, lists[l], {cap}, 100 + n, [&](const ddpx::comm::AverageStats& st) {
           EXPECT_EQ(st.inplace_tensors + st.staged_tensors, st.tensors);
           EXPECT_LE(st.staging_bytes, 2 * cap);
         });
@@ -289,7 +289,7 @@ TEST(AverageParameters, TwoRanksRandomValuesBitExact) {
   lists.push_back({{{50}, at::kHalf}, {{8, 9}, at::kDouble}, {{31}, at::kFloat}});
   lists.push_back({{{50}, at::kHalf}, {{31}, at::kBFloat16}});
   for (size_t l = 0; l < lists.size(); ++l) {
-    for (int64_t cap : {ddpx::kDefaultAverageBucketBytes, int64_t{96}}) {
+    for (int64_t cap : {ddpx::comm::kDefaultBucketBytes, int64_t{96}}) {
       SCOPED_TRACE(::testing::Message() << "list " << l << ", cap " << cap);
       const auto& specs = lists[l];
       auto input = [&](size_t k, int rank) {
@@ -303,7 +303,7 @@ TEST(AverageParameters, TwoRanksRandomValuesBitExact) {
           tensors.push_back(
               ddpx_test::make_tensor(input(k, rank), specs[k].dtype).view(specs[k].shape));
         }
-        ddpx::average_parameters(tensors, pg, {cap});
+        ddpx::comm::average_parameters(tensors, pg, {cap});
         for (size_t k = 0; k < specs.size(); ++k) {
           const auto a = input(k, 0), b = input(k, 1);
           std::vector<double> mean(a.size());
@@ -323,9 +323,9 @@ TEST(AverageParameters, NonContiguousTensors) {
       {{300}, at::kFloat, Layout::kStrided},     {{11, 13}, at::kHalf, Layout::kTransposed},
       {{5}, at::kDouble, Layout::kStrided}};
   for (int n : {2, 3, 4}) {
-    for (int64_t cap : {ddpx::kDefaultAverageBucketBytes, int64_t{256}}) {
+    for (int64_t cap : {ddpx::comm::kDefaultBucketBytes, int64_t{256}}) {
       SCOPED_TRACE(::testing::Message() << n << " ranks, cap " << cap);
-      check_dyadic_average(n, specs, {cap}, 300 + n, [&](const ddpx::AverageStats& st) {
+      check_dyadic_average(n, specs, {cap}, 300 + n, [&](const ddpx::comm::AverageStats& st) {
         EXPECT_EQ(st.inplace_tensors + st.staged_tensors, st.tensors);
       });
     }
@@ -344,7 +344,7 @@ TEST(AverageParameters, TensorsLargerThanTheBucket) {
                                    {{3, 100}, at::kBFloat16}};
   for (int n : {2, 3, 4}) {
     SCOPED_TRACE(::testing::Message() << n << " ranks");
-    check_dyadic_average(n, specs, {cap}, 400 + n, [&](const ddpx::AverageStats& st) {
+    check_dyadic_average(n, specs, {cap}, 400 + n, [&](const ddpx::comm::AverageStats& st) {
       EXPECT_EQ(st.inplace_tensors, 2);  // {1000} and {16}
       EXPECT_EQ(st.staged_tensors, 3);
       EXPECT_GT(st.staging_bytes, 0);
@@ -357,7 +357,7 @@ TEST(AverageParameters, TensorsLargerThanTheBucket) {
   }
   // A single huge fp64 tensor in a tiny bucket, and a single fp16 tensor spanning many buckets.
   for (const Spec& s : {Spec{{4096}, at::kDouble}, Spec{{2049}, at::kHalf}}) {
-    check_dyadic_average(4, {s}, {64}, 450, [&](const ddpx::AverageStats& st) {
+    check_dyadic_average(4, {s}, {64}, 450, [&](const ddpx::comm::AverageStats& st) {
       EXPECT_LE(st.staging_bytes, 2 * 64);
       EXPECT_EQ(st.inplace_tensors + st.staged_tensors, 1);
     });
@@ -374,7 +374,7 @@ TEST(AverageParameters, ManySmallTensors) {
   const int64_t cap = 256;
   for (int n : {2, 4}) {
     SCOPED_TRACE(::testing::Message() << n << " ranks");
-    check_dyadic_average(n, specs, {cap}, 500 + n, [&](const ddpx::AverageStats& st) {
+    check_dyadic_average(n, specs, {cap}, 500 + n, [&](const ddpx::comm::AverageStats& st) {
       EXPECT_EQ(st.staged_tensors, 300);
       EXPECT_EQ(st.inplace_tensors, 0);
       EXPECT_LE(st.staging_bytes, 2 * cap);
@@ -385,7 +385,7 @@ TEST(AverageParameters, ManySmallTensors) {
     });
     // Default bucket: all in one allreduce.
     check_dyadic_average(n, specs, {}, 600 + n,
-                         [&](const ddpx::AverageStats& st) { EXPECT_EQ(st.collectives, 1); });
+                         [&](const ddpx::comm::AverageStats& st) { EXPECT_EQ(st.collectives, 1); });
   }
 }
 
@@ -398,7 +398,7 @@ TEST(AverageParameters, LeavesThatRequireGrad) {
       fill(t, dyadic_input(700 + k, rank, 3, t.numel()));
       tensors.push_back(t.requires_grad_());
     }
-    ddpx::average_parameters(tensors, pg, {256});
+    ddpx::comm::average_parameters(tensors, pg, {256});
     for (int k = 0; k < 3; ++k) {
       EXPECT_TRUE(tensors[k].requires_grad());
       EXPECT_TRUE(tensors[k].is_leaf());
@@ -459,7 +459,7 @@ TEST(AverageParameters, ExtraMemoryIsAboutTwoBuckets) {
       auto reporter = std::make_shared<PeakCpuMemory>();
       {
         c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, reporter);
-        ddpx::average_parameters(tensors, pg, {cap});
+        ddpx::comm::average_parameters(tensors, pg, {cap});
       }
       for (int k = 0; k < 64; ++k) {
         EXPECT_TRUE(holds(tensors[k], dyadic_mean(1100 + k, 2, tensors[k].numel(), all_ranks(2))))
@@ -485,13 +485,13 @@ TEST(AverageParameters, MismatchedLayoutsAcrossRanksFallBackToLogicalOrder) {
       fill(t, dyadic_input(1300, rank, n, t.numel()));
       at::Tensor same = at::empty({40, 24}).t();  // alike on every rank
       fill(same, dyadic_input(1301, rank, n, same.numel()));
-      const auto st = ddpx::average_parameters({t, same}, pg, {256});
+      const auto st = ddpx::comm::average_parameters({t, same}, pg, {256});
       EXPECT_TRUE(holds(t, dyadic_mean(1300, n, t.numel(), all_ranks(n))));
       EXPECT_TRUE(holds(same, dyadic_mean(1301, n, same.numel(), all_ranks(n))));
       EXPECT_EQ(st.inplace_tensors, 0);
       EXPECT_EQ(st.staged_tensors, 2);
       // Alike on every rank: both transposes are reduced in place.
-      const auto alike = ddpx::average_parameters({t.t().contiguous().t(), same}, pg, {256});
+      const auto alike = ddpx::comm::average_parameters({t.t().contiguous().t(), same}, pg, {256});
       EXPECT_EQ(alike.inplace_tensors, 2);
     });
   }
@@ -500,7 +500,7 @@ TEST(AverageParameters, MismatchedLayoutsAcrossRanksFallBackToLogicalOrder) {
 TEST(AverageParameters, NullGroupEmptyListAndBadOptions) {
   at::Tensor t = at::arange(5, at::kFloat);
   const at::Tensor before = t.clone();
-  const ddpx::AverageStats st = ddpx::average_parameters({t}, ProcessGroupPtr());
+  const ddpx::comm::AverageStats st = ddpx::comm::average_parameters({t}, ProcessGroupPtr());
   EXPECT_TRUE(bitwise_equal(t, before));
   EXPECT_EQ(st.collectives, 0);
   EXPECT_EQ(st.staging_bytes, 0);
@@ -508,13 +508,13 @@ TEST(AverageParameters, NullGroupEmptyListAndBadOptions) {
   // Empty list: no collective on any rank (a collective issued by some ranks only would hang
   // the next test's collectives, which run on the same groups).
   ddpx_test::run_ranks(2, [&](int, const ProcessGroupPtr& pg) {
-    const ddpx::AverageStats s = ddpx::average_parameters({}, pg);
+    const ddpx::comm::AverageStats s = ddpx::comm::average_parameters({}, pg);
     EXPECT_EQ(s.tensors, 0);
     EXPECT_EQ(s.collectives, 0);
   });
 
   const auto& pg = ddpx_test::shared_gloo_world(2)[0];
-  EXPECT_THAT(value_error([&] { ddpx::average_parameters({t}, pg, {0}); }),
+  EXPECT_THAT(value_error([&] { ddpx::comm::average_parameters({t}, pg, {0}); }),
               AllOf(HasSubstr("average_parameters"), HasSubstr("bucket_cap_bytes")));
   // Refused before any collective (so one rank alone may try), naming the tensor.
   at::Tensor indices = at::zeros({1, 1}, at::kLong);
@@ -525,11 +525,11 @@ TEST(AverageParameters, NullGroupEmptyListAndBadOptions) {
   };
   for (const auto& b : bad) {
     EXPECT_THAT(value_error([&] {
-                  ddpx::average_parameters({t, b.first}, pg);
+                  ddpx::comm::average_parameters({t, b.first}, pg);
                 }),
                 AllOf(HasSubstr("average_parameters: "), HasSubstr(b.second)));
   }
-  EXPECT_THAT(value_error([&] { ddpx::average_parameters({t}, pg, {-5}); }),
+  EXPECT_THAT(value_error([&] { ddpx::comm::average_parameters({t}, pg, {-5}); }),
               HasSubstr("bucket_cap_bytes"));
 }
 
@@ -539,12 +539,12 @@ TEST(AverageParameters, ParamsWithGrad) {
   at::Tensor c = at::zeros({4});
   a.mutable_grad() = at::ones({2});
   c.mutable_grad() = at::ones({4});
-  const auto out = ddpx::params_with_grad({a, b, c});
+  const auto out = ddpx::comm::params_with_grad({a, b, c});
   ASSERT_EQ(out.size(), 2u);
   EXPECT_TRUE(out[0].is_same(a));
   EXPECT_TRUE(out[1].is_same(c));
-  EXPECT_TRUE(ddpx::params_with_grad({}).empty());
-  EXPECT_TRUE(ddpx::params_with_grad({b}).empty());
+  EXPECT_TRUE(ddpx::comm::params_with_grad({}).empty());
+  EXPECT_TRUE(ddpx::comm::params_with_grad({b}).empty());
 }
 
 // Parameters that share memory: a 2M-element parameter listed twice must not be divided by one
@@ -593,11 +593,11 @@ TEST(AverageParameters, TensorsSharingMemoryAverageEachElementOnce) {
         at::manual_seed(500 + rank);
         at::Tensor base = at::randn({n}, at::kFloat);
         at::Tensor mean = base.clone();
-        ddpx::average_parameters({mean}, pg);  // the mean, without aliasing
+        ddpx::comm::average_parameters({mean}, pg);  // the mean, without aliasing
         at::Tensor touched = at::zeros({n}, at::kBool);
         for (const at::Tensor& v : c.second(touched)) v.fill_(true);
         const at::Tensor want = at::where(touched, mean, base);
-        ddpx::average_parameters(c.second(base), pg);
+        ddpx::comm::average_parameters(c.second(base), pg);
         const std::string where = std::string(c.first) + ", world " + std::to_string(world) +
                                   ", rank " + std::to_string(rank);
         // Memory a partial overlap shares is exchanged from a private copy: the same mean, summed
@@ -641,7 +641,7 @@ TEST(AverageParameters, RanksPassingDifferentTensorsRaiseOnEveryRank) {
   };
   for (const auto& c : cases) {
     ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
-      EXPECT_THAT(value_error([&] { ddpx::average_parameters(c.second(rank), pg); }),
+      EXPECT_THAT(value_error([&] { ddpx::comm::average_parameters(c.second(rank), pg); }),
                   AllOf(HasSubstr("average_parameters"), HasSubstr("passed different tensors")))
           << c.first << ", rank " << rank;
     });
@@ -649,7 +649,7 @@ TEST(AverageParameters, RanksPassingDifferentTensorsRaiseOnEveryRank) {
   // The groups are still in step.
   ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
     at::Tensor t = at::full({3}, static_cast<float>(rank));
-    ddpx::average_parameters({t}, pg);
+    ddpx::comm::average_parameters({t}, pg);
     EXPECT_TRUE(bitwise_equal(t, at::full({3}, 0.5f)));
   });
 }
@@ -710,7 +710,7 @@ TEST(PeriodicModelAverager, AveragesAtWarmupPlusMultiplesOfPeriod) {
                  << c.n << " ranks, period " << c.period << ", warmup " << c.warmup);
     ddpx_test::run_ranks(c.n, [&](int rank, const ProcessGroupPtr& pg) {
       CaptureWarnings warnings;  // period 1 warns
-      ddpx::PeriodicModelAverager avg(c.period, c.warmup, pg, {64});
+      ddpx::optim::PeriodicModelAverager avg(c.period, c.warmup, pg, {64});
       EXPECT_EQ(avg.period(), c.period);
       EXPECT_EQ(avg.warmup_steps(), c.warmup);
       EXPECT_EQ(avg.step(), 0);
@@ -730,7 +730,7 @@ TEST(PeriodicModelAverager, AveragesAtWarmupPlusMultiplesOfPeriod) {
 
 TEST(PeriodicModelAverager, SetStepAndParamGroups) {
   ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
-    ddpx::PeriodicModelAverager avg(4, 10, pg);
+    ddpx::optim::PeriodicModelAverager avg(4, 10, pg);
     Replica r = make_replica();
     avg.set_step(14);  // 14 = 10 + 4: due
     diverge(r, 0, rank, 2);
@@ -758,7 +758,7 @@ TEST(PeriodicModelAverager, SetStepAndParamGroups) {
 // call follows the new schedule.
 TEST(PeriodicModelAverager, PeriodAndWarmupChangeMidRun) {
   ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
-    ddpx::PeriodicModelAverager avg(2, 0, pg);
+    ddpx::optim::PeriodicModelAverager avg(2, 0, pg);
     at::Tensor p = at::zeros({4}).requires_grad_();
     p.mutable_grad() = at::zeros({4});
     std::vector<int64_t> averaged;
@@ -777,21 +777,23 @@ TEST(PeriodicModelAverager, PeriodAndWarmupChangeMidRun) {
 
 TEST(PeriodicModelAverager, InvalidArguments) {
   const auto& pg = ddpx_test::shared_gloo_world(2)[0];
-  EXPECT_THAT(value_error([&] { ddpx::PeriodicModelAverager(0, 0, pg); }), HasSubstr("period"));
-  EXPECT_THAT(value_error([&] { ddpx::PeriodicModelAverager(-3, 0, pg); }), HasSubstr("period"));
-  EXPECT_THAT(value_error([&] { ddpx::PeriodicModelAverager(2, -1, pg); }),
+  EXPECT_THAT(value_error([&] { ddpx::optim::PeriodicModelAverager(0, 0, pg); }),
+              HasSubstr("period"));
+  EXPECT_THAT(value_error([&] { ddpx::optim::PeriodicModelAverager(-3, 0, pg); }),
+              HasSubstr("period"));
+  EXPECT_THAT(value_error([&] { ddpx::optim::PeriodicModelAverager(2, -1, pg); }),
               HasSubstr("warmup_steps"));
-  ddpx::PeriodicModelAverager avg(2, 0, pg);
+  ddpx::optim::PeriodicModelAverager avg(2, 0, pg);
   EXPECT_THAT(ddpx_test::error_message([&] { avg.set_options({0}); }),
               HasSubstr("bucket_cap_bytes"));
   {
     CaptureWarnings w;
-    ddpx::PeriodicModelAverager one(1, 0, pg);
+    ddpx::optim::PeriodicModelAverager one(1, 0, pg);
     EXPECT_THAT(w.joined(), HasSubstr("period")) << "period 1 should warn";
   }
   {
     CaptureWarnings w;
-    ddpx::PeriodicModelAverager two(2, 0, pg);
+    ddpx::optim::PeriodicModelAverager two(2, 0, pg);
     EXPECT_TRUE(w.messages.empty()) << w.joined();
   }
 }
@@ -799,7 +801,7 @@ TEST(PeriodicModelAverager, InvalidArguments) {
 // averagers.h: a null process_group means this rank is not a member: steps count, nothing is
 // averaged, no collective is issued.
 TEST(PeriodicModelAverager, NullProcessGroupMeansNotAMember) {
-  ddpx::PeriodicModelAverager avg(1, 0, ProcessGroupPtr());
+  ddpx::optim::PeriodicModelAverager avg(1, 0, ProcessGroupPtr());
   at::Tensor p = at::arange(8, at::kFloat);
   p.mutable_grad() = at::ones_like(p);
   const at::Tensor before = p.clone();
@@ -817,7 +819,7 @@ TEST(HierarchicalModelAverager, PairsEveryTwoWorldEveryFour) {
   for (int64_t warmup : {0, 3}) {
     SCOPED_TRACE(::testing::Message() << "warmup " << warmup);
     ddpx_test::run_ranks(4, [&](int rank, const ProcessGroupPtr& pg) {
-      ddpx::HierarchicalModelAverager avg({{2, pairs[rank]}, {4, pg}}, warmup, pg, {128});
+      ddpx::optim::HierarchicalModelAverager avg({{2, pairs[rank]}, {4, pg}}, warmup, pg, {128});
       ASSERT_EQ(avg.period_groups().size(), 2u);
       EXPECT_EQ(avg.warmup_steps(), warmup);
       const std::vector<int64_t> index = {1, -1, 0, -1, 1, -1, 0, -1, 1, -1, 0};
@@ -841,7 +843,7 @@ TEST(HierarchicalModelAverager, NullGroupOnNonMembers) {
   const auto& pairs = pair_groups();
   ddpx_test::run_ranks(4, [&](int rank, const ProcessGroupPtr& pg) {
     ProcessGroupPtr first_pair = rank < 2 ? pairs[rank] : ProcessGroupPtr();
-    ddpx::HierarchicalModelAverager avg({{2, first_pair}, {3, pg}}, 0, pg);
+    ddpx::optim::HierarchicalModelAverager avg({{2, first_pair}, {3, pg}}, 0, pg);
     Replica r = make_replica();
     for (int s = 0; s < 7; ++s) {
       diverge(r, s, rank, 4);
@@ -858,36 +860,38 @@ TEST(HierarchicalModelAverager, InvalidArguments) {
   const auto& pg = ddpx_test::shared_gloo_world(4)[0];
   const auto& pair = pair_groups()[0];
   using PG = std::vector<std::pair<int64_t, ProcessGroupPtr>>;
-  EXPECT_THAT(value_error([&] { ddpx::HierarchicalModelAverager(PG{}, 0, pg); }),
+  EXPECT_THAT(value_error([&] { ddpx::optim::HierarchicalModelAverager(PG{}, 0, pg); }),
               HasSubstr("empty"));
   EXPECT_THAT(value_error([&] {
-                ddpx::HierarchicalModelAverager(PG{{0, pair}, {4, pg}}, 0, pg);
+                ddpx::optim::HierarchicalModelAverager(PG{{0, pair}, {4, pg}}, 0, pg);
               }),
               HasSubstr("period"));
   EXPECT_THAT(value_error([&] {
-                ddpx::HierarchicalModelAverager(PG{{2, pair}, {-4, pg}}, 0, pg);
+                ddpx::optim::HierarchicalModelAverager(PG{{2, pair}, {-4, pg}}, 0, pg);
               }),
               HasSubstr("period"));
   EXPECT_THAT(value_error([&] {
-                ddpx::HierarchicalModelAverager(PG{{2, pair}}, 0, pg);
+                ddpx::optim::HierarchicalModelAverager(PG{{2, pair}}, 0, pg);
               }),
               AllOf(HasSubstr("2"), HasSubstr("4")));
   EXPECT_THAT(value_error([&] {
-                ddpx::HierarchicalModelAverager(PG{{2, pair}, {4, pg}}, -1, pg);
+                ddpx::optim::HierarchicalModelAverager(PG{{2, pair}, {4, pg}}, -1, pg);
               }),
               HasSubstr("warmup_steps"));
-  EXPECT_THAT(ddpx_test::error_message([&] {
-                ddpx::HierarchicalModelAverager(PG{{2, pair}, {4, pg}}, 0, ProcessGroupPtr());
-              }),
-              HasSubstr("process_group"));
+  EXPECT_THAT(
+      ddpx_test::error_message([&] {
+        ddpx::optim::HierarchicalModelAverager(PG{{2, pair}, {4, pg}}, 0, ProcessGroupPtr());
+      }),
+      HasSubstr("process_group"));
   // The top level spans every rank: it cannot be null on any.
-  EXPECT_THAT(ddpx_test::error_message([&] {
-                ddpx::HierarchicalModelAverager(PG{{2, pair}, {4, ProcessGroupPtr()}}, 0, pg);
-              }),
-              HasSubstr("process_group"));
+  EXPECT_THAT(
+      ddpx_test::error_message([&] {
+        ddpx::optim::HierarchicalModelAverager(PG{{2, pair}, {4, ProcessGroupPtr()}}, 0, pg);
+      }),
+      HasSubstr("process_group"));
   {
     CaptureWarnings w;
-    ddpx::HierarchicalModelAverager one(PG{{1, pg}}, 0, pg);
+    ddpx::optim::HierarchicalModelAverager one(PG{{1, pg}}, 0, pg);
     EXPECT_FALSE(w.messages.empty()) << "largest period 1 should warn";
   }
 }
@@ -1150,8 +1154,8 @@ TEST(PostLocalSGDOptimizer, StepIsLocalStepThenAveraging) {
     at::Tensor frozen = at::full({3}, 1.0 + rank).requires_grad_();  // never gets a grad
     auto sgd = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{p, frozen},
                                                    torch::optim::SGDOptions(lr));
-    auto avg = std::make_shared<ddpx::PeriodicModelAverager>(period, warmup, pg);
-    ddpx::PostLocalSGDOptimizer opt(sgd, avg);
+    auto avg = std::make_shared<ddpx::optim::PeriodicModelAverager>(period, warmup, pg);
+    ddpx::optim::PostLocalSGDOptimizer opt(sgd, avg);
     EXPECT_EQ(opt.optimizer(), sgd);
     EXPECT_EQ(opt.averager(), avg);
     EXPECT_EQ(&opt.param_groups(), &sgd->param_groups());
@@ -1185,7 +1189,8 @@ TEST(PostLocalSGDOptimizer, ZeroGradAndParamGroups) {
   at::Tensor q = at::ones({2}).requires_grad_();
   auto sgd = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{p},
                                                  torch::optim::SGDOptions(0.1));
-  ddpx::PostLocalSGDOptimizer opt(sgd, std::make_shared<ddpx::PeriodicModelAverager>(2, 0, pg));
+  ddpx::optim::PostLocalSGDOptimizer opt(
+      sgd, std::make_shared<ddpx::optim::PeriodicModelAverager>(2, 0, pg));
   p.mutable_grad() = at::full({3}, 2.0);
   opt.zero_grad(false);
   ASSERT_TRUE(p.grad().defined());
@@ -1200,7 +1205,7 @@ TEST(PostLocalSGDOptimizer, ZeroGradAndParamGroups) {
   ASSERT_EQ(sgd->param_groups().size(), 2u);
   ASSERT_EQ(opt.param_groups().size(), 2u);
   EXPECT_TRUE(opt.param_groups()[1].params()[0].is_same(q));
-  const ddpx::PostLocalSGDOptimizer& cref = opt;
+  const ddpx::optim::PostLocalSGDOptimizer& cref = opt;
   EXPECT_EQ(cref.param_groups().size(), 2u);
 }
 
@@ -1209,9 +1214,10 @@ TEST(PostLocalSGDOptimizer, NullArguments) {
   at::Tensor p = at::ones({3}).requires_grad_();
   auto sgd = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{p},
                                                  torch::optim::SGDOptions(0.1));
-  auto avg = std::make_shared<ddpx::PeriodicModelAverager>(2, 0, pg);
-  EXPECT_THAT(value_error([&] { ddpx::PostLocalSGDOptimizer(nullptr, avg); }), HasSubstr("optim"));
-  EXPECT_THAT(value_error([&] { ddpx::PostLocalSGDOptimizer(sgd, nullptr); }),
+  auto avg = std::make_shared<ddpx::optim::PeriodicModelAverager>(2, 0, pg);
+  EXPECT_THAT(value_error([&] { ddpx::optim::PostLocalSGDOptimizer(nullptr, avg); }),
+              HasSubstr("optim"));
+  EXPECT_THAT(value_error([&] { ddpx::optim::PostLocalSGDOptimizer(sgd, nullptr); }),
               HasSubstr("averager"));
 }
 
@@ -1219,17 +1225,17 @@ TEST(PostLocalSGDOptimizer, NullArguments) {
 // optimizer's state (momentum buffers) come back; training continues bit for bit.
 TEST(PostLocalSGDOptimizer, SaveLoadRoundTrip) {
   ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
-    auto make = [&](const at::Tensor& init, std::shared_ptr<ddpx::ModelAverager> avg) {
+    auto make = [&](const at::Tensor& init, std::shared_ptr<ddpx::optim::ModelAverager> avg) {
       at::Tensor p = init.clone().requires_grad_();
       auto sgd = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{p},
                                                      torch::optim::SGDOptions(0.125).momentum(0.5));
-      return std::make_pair(p, std::make_shared<ddpx::PostLocalSGDOptimizer>(sgd, avg));
+      return std::make_pair(p, std::make_shared<ddpx::optim::PostLocalSGDOptimizer>(sgd, avg));
     };
     auto grad = [&](int s) {
       return ddpx_test::make_tensor(dyadic_input(900 + s, rank, 2, 8), at::kFloat);
     };
     at::Tensor init = ddpx_test::make_tensor(dyadic_input(899, rank, 2, 8), at::kFloat);
-    auto a = make(init, std::make_shared<ddpx::PeriodicModelAverager>(3, 1, pg));
+    auto a = make(init, std::make_shared<ddpx::optim::PeriodicModelAverager>(3, 1, pg));
     for (int s = 0; s < 3; ++s) {
       a.second->zero_grad();
       a.first.mutable_grad() = grad(s);
@@ -1242,7 +1248,7 @@ TEST(PostLocalSGDOptimizer, SaveLoadRoundTrip) {
       a.second->save(out);
       out.save_to(stream);
     }
-    auto b = make(a.first.detach(), std::make_shared<ddpx::PeriodicModelAverager>(3, 1, pg));
+    auto b = make(a.first.detach(), std::make_shared<ddpx::optim::PeriodicModelAverager>(3, 1, pg));
     {
       torch::serialize::InputArchive in;
       in.load_from(stream);
@@ -1276,9 +1282,9 @@ TEST(PostLocalSGDOptimizer, LoadWithoutStepWarnsAndRestartsAtZero) {
     sgd->save(out);  // a plain optimizer's archive: no averager step
     out.save_to(stream);
   }
-  auto avg = std::make_shared<ddpx::PeriodicModelAverager>(2, 0, pg);
+  auto avg = std::make_shared<ddpx::optim::PeriodicModelAverager>(2, 0, pg);
   avg->set_step(5);
-  ddpx::PostLocalSGDOptimizer opt(sgd, avg);
+  ddpx::optim::PostLocalSGDOptimizer opt(sgd, avg);
   torch::serialize::InputArchive in;
   in.load_from(stream);
   CaptureWarnings w;
@@ -1292,14 +1298,14 @@ TEST(PostLocalSGDOptimizer, LoadWithoutStepWarnsAndRestartsAtZero) {
   {
     torch::serialize::OutputArchive out;
     sgd->save(out);
-    out.write(ddpx::PostLocalSGDOptimizer::kStepKey, c10::IValue(std::string("seven")));
+    out.write(ddpx::optim::PostLocalSGDOptimizer::kStepKey, c10::IValue(std::string("seven")));
     out.save_to(bad);
   }
   avg->set_step(5);
   torch::serialize::InputArchive bad_in;
   bad_in.load_from(bad);
   EXPECT_THAT(ddpx_test::error_message([&] { opt.load(bad_in); }),
-              HasSubstr(ddpx::PostLocalSGDOptimizer::kStepKey));
+              HasSubstr(ddpx::optim::PostLocalSGDOptimizer::kStepKey));
   EXPECT_EQ(avg->step(), 5);
 }
 

@@ -10,7 +10,6 @@
 #include <c10/util/Exception.h>
 #include <ddpx/comm/bucketed.h>
 #include <ddpx/comm/exchange_mode.h>
-#include <ddpx/common/compat.h>
 #include <ddpx/hooks.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -22,6 +21,7 @@
 
 #include "comm/deferred.h"
 #include "comm/exchange.h"
+#include "common/compat_internal.h"
 #include "test_utils.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// ddpx::DistributedDataParallel (ddpx/ddp.h) on 2-3 Gloo ranks as threads (test_utils.h):
+// ddpx::ddp::DistributedDataParallel (ddpx/ddp.h) on 2-3 Gloo ranks as threads (test_utils.h):
 //   * construction makes every rank hold rank 0's parameters (each rank starts from its own);
 //   * after backward, every gradient equals the closed-form mean of the ranks' local gradients
 //     (computed here on a plain copy of the model), with the default buckets, many small
@@ -36,9 +36,9 @@
 
 namespace {
 
-using ddpx::DDPOptions;
-using ddpx::DistributedDataParallel;
 using ddpx::ProcessGroupPtr;
+using ddpx::ddp::DDPOptions;
+using ddpx::ddp::DistributedDataParallel;
 
 torch::nn::Sequential make_net(int64_t seed) {
   torch::nn::Sequential net(torch::nn::Linear(8, 48), torch::nn::Tanh(), torch::nn::Linear(48, 40),
@@ -332,7 +332,7 @@ TEST(DistributedDataParallel, JoinUnevenInputsMatchesTheReference) {
         ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
           auto net = make_net(rank);
           DistributedDataParallel ddp(net, pg, DDPOptions().bucket_cap_mb(cap));
-          ddpx::JoinOptions opts;
+          ddpx::ddp::JoinOptions opts;
           opts.divide_by_initial_world_size = initial_world;
           ddp.join(
               [&] {
@@ -359,7 +359,7 @@ TEST(DistributedDataParallel, JoinThrowOnEarlyTermination) {
   ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
     auto net = make_net(rank);
     DistributedDataParallel ddp(net, pg);
-    ddpx::JoinOptions opts;
+    ddpx::ddp::JoinOptions opts;
     opts.throw_on_early_termination = true;
     try {
       ddp.join(
@@ -522,7 +522,7 @@ TEST(DistributedDataParallel, GroupWithoutABackendForTheParameters) {
 }
 
 TEST(ProcessGroupFromEnv, ArgumentsAreChecked) {
-  using ddpx::init_process_group;
+  using ddpx::ddp::init_process_group;
   EXPECT_THROW(init_process_group("gloo", 2, 2, "127.0.0.1", 29500), c10::ValueError);
   EXPECT_THROW(init_process_group("gloo", 0, 0, "127.0.0.1", 29500), c10::ValueError);
   EXPECT_THROW(init_process_group("gloo", 0, 1, "127.0.0.1", 70000), c10::ValueError);
@@ -532,14 +532,14 @@ TEST(ProcessGroupFromEnv, ArgumentsAreChecked) {
   unsetenv("RANK");
   setenv("WORLD_SIZE", "2", 1);
   try {
-    ddpx::init_process_group_from_env("gloo");
+    ddpx::ddp::init_process_group_from_env("gloo");
     ADD_FAILURE() << "no error without RANK";
   } catch (const c10::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("RANK is not set"), std::string::npos) << e.what();
   }
   setenv("RANK", "one", 1);
   try {
-    ddpx::init_process_group_from_env("gloo");
+    ddpx::ddp::init_process_group_from_env("gloo");
     ADD_FAILURE() << "no error for RANK=one";
   } catch (const c10::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("RANK='one' is not an integer"), std::string::npos)
@@ -550,7 +550,7 @@ TEST(ProcessGroupFromEnv, ArgumentsAreChecked) {
   setenv("WORLD_SIZE", "1", 1);
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", "0", 1);
-  EXPECT_THROW(ddpx::init_process_group_from_env("gloo"), c10::ValueError);  // port 0
+  EXPECT_THROW(ddpx::ddp::init_process_group_from_env("gloo"), c10::ValueError);  // port 0
 }
 
 // A TCP port nobody listens on now (0 if none could be had).
@@ -581,8 +581,8 @@ TEST(ProcessGroupFromEnv, TwoRanksOverATcpStore) {
   for (int rank = 0; rank < 2; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto pg = ddpx::init_process_group("gloo", rank, 2, "127.0.0.1", port,
-                                           std::chrono::milliseconds(30000));
+        auto pg = ddpx::ddp::init_process_group("gloo", rank, 2, "127.0.0.1", port,
+                                                std::chrono::milliseconds(30000));
         std::vector<at::Tensor> t{at::full({3}, static_cast<double>(rank + 1))};
         pg->allreduce(t)->wait();
         sums[rank] = t[0];
@@ -612,13 +612,13 @@ TEST(ProcessGroupFromEnv, NewGroupAndSubgroups) {
   for (int rank = 0; rank < kWorld; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto pg = ddpx::init_process_group("gloo", rank, kWorld, "127.0.0.1", port,
-                                           std::chrono::milliseconds(30000));
-        EXPECT_THROW(ddpx::new_group(pg, {}), c10::ValueError);
-        EXPECT_THROW(ddpx::new_group(pg, {0, 0}), c10::ValueError);
-        EXPECT_THROW(ddpx::new_group(pg, {0, 3}), c10::ValueError);
-        EXPECT_THROW(ddpx::new_subgroups(pg, 2), c10::ValueError);  // 2 does not divide 3
-        auto pair = ddpx::new_group(pg, {2, 0});                    // sorted: ranks 0 and 2
+        auto pg = ddpx::ddp::init_process_group("gloo", rank, kWorld, "127.0.0.1", port,
+                                                std::chrono::milliseconds(30000));
+        EXPECT_THROW(ddpx::ddp::new_group(pg, {}), c10::ValueError);
+        EXPECT_THROW(ddpx::ddp::new_group(pg, {0, 0}), c10::ValueError);
+        EXPECT_THROW(ddpx::ddp::new_group(pg, {0, 3}), c10::ValueError);
+        EXPECT_THROW(ddpx::ddp::new_subgroups(pg, 2), c10::ValueError);  // 2 does not divide 3
+        auto pair = ddpx::ddp::new_group(pg, {2, 0});                    // sorted: ranks 0 and 2
         if (pair) {
           pair_size[rank] = static_cast<int>(pair->getSize());
           pair_rank[rank] = static_cast<int>(pair->getRank());
@@ -626,7 +626,7 @@ TEST(ProcessGroupFromEnv, NewGroupAndSubgroups) {
           pair->allreduce(t)->wait();
           pair_sum[rank] = t[0];
         }
-        auto sub = ddpx::new_subgroups(pg, 1);
+        auto sub = ddpx::ddp::new_subgroups(pg, 1);
         sub_size[rank] = static_cast<int>(sub->getSize());
         std::vector<at::Tensor> t{at::full({1}, static_cast<double>(rank))};
         sub->allreduce(t)->wait();
@@ -650,7 +650,7 @@ TEST(ProcessGroupFromEnv, NewGroupAndSubgroups) {
   }
   // A group made otherwise (here by the test utilities over a HashStore) has no store to use.
   auto groups = ddpx_test::make_gloo_world(1);
-  EXPECT_THROW(ddpx::new_group(groups.at(0), {0}), c10::ValueError);
+  EXPECT_THROW(ddpx::ddp::new_group(groups.at(0), {0}), c10::ValueError);
 }
 
 }  // namespace

@@ -30,8 +30,8 @@ namespace {
 
 using ddpx_test::bitwise_equal;
 
+using ddpx::comm::ExchangeMode;
 using ddpx::hooks::CommHookPtr;
-using ddpx::hooks::ExchangeMode;
 using ddpx_test::ProcessGroupPtr;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -88,7 +88,7 @@ std::string case_name(const HookCase& c) {
          : c.dtype == at::kDouble ? "f64"
          : c.dtype == at::kHalf   ? "f16"
                                   : "bf16");
-  if (c.hook != Hook::kNoop) os << "_" << ddpx::hooks::exchange_mode_name(c.mode);
+  if (c.hook != Hook::kNoop) os << "_" << ddpx::comm::exchange_mode_name(c.mode);
   return os.str();
 }
 
@@ -341,7 +341,7 @@ TEST(HookNumerics, Fp16CompressDividesBeforeCasting) {
         for (ExchangeMode m : modes) {
           const std::string what = "fp16 near max, world " + std::to_string(world) +
                                    (all_large ? ", all ranks large, " : ", rank 0 large, ") +
-                                   ddpx::hooks::exchange_mode_name(m);
+                                   ddpx::comm::exchange_mode_name(m);
           at::Tensor buffer = input_of(rank);
           auto fut = run_fp16_hook(pg, m, buffer);
           ASSERT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
@@ -416,7 +416,7 @@ TEST(HookNumerics, GlooFp16AllreduceBugIsAvoided) {
             std::to_string(wrong) + " of " + std::to_string(n) + " elements wrong";
       } else {
         expect_close(buffer, want, (world + 2) * ddpx_test::unit_roundoff(at::kHalf),
-                     std::string("43712 + -0.0530396, ") + ddpx::hooks::exchange_mode_name(m));
+                     std::string("43712 + -0.0530396, ") + ddpx::comm::exchange_mode_name(m));
       }
     }
   });
@@ -486,8 +486,8 @@ TEST(HookApi, ParseHookResultAcceptsTensorOrSingletonList) {
 }
 
 TEST(HookApi, ExchangeModeNamesRoundTrip) {
-  using ddpx::hooks::exchange_mode_name;
-  using ddpx::hooks::parse_exchange_mode;
+  using ddpx::comm::exchange_mode_name;
+  using ddpx::comm::parse_exchange_mode;
   for (ExchangeMode m : {ExchangeMode::kAuto, ExchangeMode::kAllreduce, ExchangeMode::kAllgather}) {
     EXPECT_EQ(parse_exchange_mode(exchange_mode_name(m)), m);
   }
@@ -496,7 +496,7 @@ TEST(HookApi, ExchangeModeNamesRoundTrip) {
 }
 
 TEST(HookApi, AutoExchangeResolvesByDtypeOnGloo) {
-  using ddpx::hooks::resolve_exchange_mode;
+  using ddpx::comm::resolve_exchange_mode;
   const auto& pg = *ddpx_test::shared_gloo_world(1)[0];
   EXPECT_EQ(resolve_exchange_mode(ExchangeMode::kAuto, pg, at::kHalf, at::kCPU),
             ExchangeMode::kAllgather);

@@ -7,7 +7,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <ddpx/common/compat.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -28,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/compat_internal.h"
 #include "tensor_utils.h"
 
 namespace ddpx_test {

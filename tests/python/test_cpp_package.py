@@ -1,7 +1,7 @@
 """The C++ package inside the pip-installed ddpx: ``ddpx.cmake_prefix_path`` holds the library,
 headers and CMake package, and a C++ program configured with only that folder on
 CMAKE_PREFIX_PATH finds ddpx (and the torch ddpx was built against), builds and trains a step of
-``ddpx::DistributedDataParallel`` with a ddpx hook on a one-process Gloo group.
+``ddpx::ddp::DistributedDataParallel`` with a ddpx hook on a one-process Gloo group.
 
 Skipped when the ddpx under test is a build tree (PYTHONPATH=build/python), which has no
 installed C++ package; scripts/test.sh tests the pip-installed package.
@@ -30,9 +30,9 @@ PROGRAM = textwrap.dedent(r"""
     #include <cstdlib>
 
     int main(int argc, char** argv) {
-      auto pg = ddpx::init_process_group("gloo", 0, 1, "127.0.0.1", std::atoi(argv[1]));
+      auto pg = ddpx::ddp::init_process_group("gloo", 0, 1, "127.0.0.1", std::atoi(argv[1]));
       torch::nn::Linear net(4, 2);
-      ddpx::DistributedDataParallel ddp(net, pg);
+      ddpx::ddp::DistributedDataParallel ddp(net, pg);
       ddp.register_comm_hook(ddpx::hooks::fp16_compress_hook(pg));
       ddp.forward(at::ones({3, 4})).sum().backward();
       // One rank: the mean is the local gradient, through fp16 (exact for these values: 3).

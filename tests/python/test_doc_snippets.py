@@ -272,11 +272,11 @@ def _cpp_fragment_function(index: int, block: Block) -> str:
     return f"""
 // {block.page}:{block.line}
 [[maybe_unused]] static void fragment_{index}() {{
-  [[maybe_unused]] auto pg = ddpx::init_process_group_from_env("gloo");
+  [[maybe_unused]] auto pg = ddpx::ddp::init_process_group_from_env("gloo");
   [[maybe_unused]] decltype(pg) subgroup;
   torch::nn::Sequential net(torch::nn::Linear(64, 256), torch::nn::ReLU(),
                             torch::nn::Linear(256, 10));
-  [[maybe_unused]] ddpx::DistributedDataParallel ddp(net, pg);
+  [[maybe_unused]] ddpx::ddp::DistributedDataParallel ddp(net, pg);
   [[maybe_unused]] auto state =
       std::make_shared<ddpx::hooks::PowerSGDState>(pg, ddpx::hooks::PowerSGDOptions{{}});
   [[maybe_unused]] auto x = torch::randn({{8, 64}});

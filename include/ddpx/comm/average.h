@@ -39,12 +39,4 @@ AverageStats average_parameters(const std::vector<at::Tensor>& params,
 std::vector<at::Tensor> params_with_grad(const std::vector<at::Tensor>& params);
 
 }  // namespace comm
-
-// The names this API has had since it was first public.
-using comm::average_parameters;
-using comm::AverageOptions;
-using comm::AverageStats;
-using comm::params_with_grad;
-constexpr int64_t kDefaultAverageBucketBytes = comm::kDefaultBucketBytes;
-
 }  // namespace ddpx

@@ -62,12 +62,4 @@ ExchangeMode resolve_exchange_mode(ExchangeMode mode, const c10d::ProcessGroup& 
                                    bool two_rounds = false);
 
 }  // namespace comm
-
-namespace hooks {
-// The names the hooks' headers have always used.
-using comm::exchange_mode_name;
-using comm::ExchangeMode;
-using comm::parse_exchange_mode;
-using comm::resolve_exchange_mode;
-}  // namespace hooks
 }  // namespace ddpx

@@ -4,11 +4,11 @@
 // torch::nn::Module data-parallel with any ddpx hook, as a Python program does with
 // torch.nn.parallel.DistributedDataParallel.
 //
-//   auto pg = ddpx::init_process_group_from_env("gloo");
+//   auto pg = ddpx::ddp::init_process_group_from_env("gloo");
 //   torch::nn::Sequential net(torch::nn::Linear(64, 32), torch::nn::ReLU(),
 //                             torch::nn::Linear(32, 10));
-//   ddpx::DistributedDataParallel ddp(net, pg,
-//                                     ddpx::DDPOptions().bucket_cap_mb(25));
+//   ddpx::ddp::DistributedDataParallel ddp(net, pg,
+//                                     ddpx::ddp::DDPOptions().bucket_cap_mb(25));
 //   ddp.register_comm_hook(ddpx::hooks::powerSGD_hook(state));
 //   torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();  // averaged gradients
 //   { auto guard = ddp.no_sync(); /* accumulate locally */ }
@@ -40,6 +40,7 @@ class Logger;
 }  // namespace c10d
 
 namespace ddpx {
+namespace ddp {
 
 // Python DDP's options of the same names and defaults.
 class DDPOptions {
@@ -254,4 +255,5 @@ class DistributedDataParallel {
   bool delay_all_reduce_enqueued_ = false;
 };
 
+}  // namespace ddp
 }  // namespace ddpx

@@ -11,6 +11,7 @@
 #include <vector>
 
 namespace ddpx {
+namespace ddp {
 
 // Python's default process-group timeout (30 minutes).
 constexpr std::chrono::milliseconds kDefaultProcessGroupTimeout{30 * 60 * 1000};
@@ -49,4 +50,5 @@ ProcessGroupPtr new_group(const ProcessGroupPtr& world, std::vector<int> ranks,
 ProcessGroupPtr new_subgroups(const ProcessGroupPtr& world, int group_size,
                               std::chrono::milliseconds timeout = kDefaultProcessGroupTimeout);
 
+}  // namespace ddp
 }  // namespace ddpx

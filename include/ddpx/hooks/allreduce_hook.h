@@ -21,18 +21,18 @@ class AllreduceHook final : public CommHook {
  public:
   // `process_group` must not be null; `exchange` decides how 16-bit buckets travel.
   explicit AllreduceHook(ProcessGroupPtr process_group,
-                         ExchangeMode exchange = ExchangeMode::kAuto);
+                         comm::ExchangeMode exchange = comm::ExchangeMode::kAuto);
 
   std::string name() const override { return "allreduce_hook"; }
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
 
   // The constructor's arguments.
   const ProcessGroupPtr& process_group() const { return pg_; }
-  ExchangeMode exchange() const { return exchange_; }
+  comm::ExchangeMode exchange() const { return exchange_; }
 
  private:
   ProcessGroupPtr pg_;
-  ExchangeMode exchange_;
+  comm::ExchangeMode exchange_;
   std::shared_ptr<comm::ReduceScatterSum> scatter_;  // kReduceScatter's deferred second round
 };
 

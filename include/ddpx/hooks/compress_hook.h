@@ -19,14 +19,15 @@ namespace hooks {
 //
 // On Gloo (and for CPU tensors) the 16-bit values are summed by ddpx in fp32, which works for
 // bfloat16 too (torch 1.13's Gloo refuses bf16 allreduce) and is faster than Gloo's scalar
-// 16-bit summation: on 2 ranks gathered (ExchangeMode::kAllgather), on 3 or more reduce-scattered
-// and gathered back (kReduceScatter, a ring's byte count; its second collective goes out from
-// the next bucket's runHook, or at once for the last bucket). On NCCL the 16-bit allreduce.
+// 16-bit summation: on 2 ranks gathered (comm::ExchangeMode::kAllgather), on 3 or more
+// reduce-scattered and gathered back (kReduceScatter, a ring's byte count; its second collective
+// goes out from the next bucket's runHook, or at once for the last bucket). On NCCL the 16-bit
+// allreduce.
 class CompressHook final : public CommHook {
  public:
   // `dtype` must be kHalf or kBFloat16 (refused otherwise); `process_group` not null.
   CompressHook(ProcessGroupPtr process_group, at::ScalarType dtype,
-               ExchangeMode exchange = ExchangeMode::kAuto);
+               comm::ExchangeMode exchange = comm::ExchangeMode::kAuto);
 
   std::string name() const override;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
@@ -34,12 +35,12 @@ class CompressHook final : public CommHook {
   // The constructor's arguments.
   at::ScalarType dtype() const { return dtype_; }
   const ProcessGroupPtr& process_group() const { return pg_; }
-  ExchangeMode exchange() const { return exchange_; }
+  comm::ExchangeMode exchange() const { return exchange_; }
 
  private:
   ProcessGroupPtr pg_;
   at::ScalarType dtype_;
-  ExchangeMode exchange_;
+  comm::ExchangeMode exchange_;
   std::shared_ptr<comm::ReduceScatterSum> scatter_;  // kReduceScatter's deferred second round
 };
 

@@ -3,8 +3,9 @@
 // Until `start_localSGD_iter` the hook averages gradients over `process_group` (global
 // allreduce, bit-identical to allreduce_hook); from then on it averages them within `subgroup`
 // only (e.g. the ranks of one machine), or not at all when `post_local_gradient_allreduce` is
-// false. A model averager (ddpx::PeriodicModelAverager, ddpx::HierarchicalModelAverager) then
-// averages the *parameters* globally every few steps after the optimizer step.
+// false. A model averager (ddpx::optim::PeriodicModelAverager,
+// ddpx::optim::HierarchicalModelAverager) then averages the *parameters* globally every few steps
+// after the optimizer step.
 #pragma once
 
 #include <ATen/core/Dict.h>

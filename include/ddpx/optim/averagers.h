@@ -28,7 +28,7 @@ class ModelAverager {
  public:
   // `process_group`: the group to average over; null means this rank is not a member (averaging
   // is then a no-op; C++ has no "default group": Python passes WORLD for None).
-  explicit ModelAverager(ProcessGroupPtr process_group, AverageOptions options = {});
+  explicit ModelAverager(ProcessGroupPtr process_group, comm::AverageOptions options = {});
   virtual ~ModelAverager() = default;
 
   // Averages the tensors of `params` that have a gradient (parameters without one are skipped,
@@ -42,19 +42,19 @@ class ModelAverager {
   int64_t step() const { return step_; }
   void set_step(int64_t step);
   const ProcessGroupPtr& process_group() const { return process_group_; }
-  const AverageOptions& options() const { return options_; }
-  void set_options(const AverageOptions& options);
+  const comm::AverageOptions& options() const { return options_; }
+  void set_options(const comm::AverageOptions& options);
 
   // What the last averaging call did (zeros if it did not average).
-  const AverageStats& last_stats() const { return last_stats_; }
+  const comm::AverageStats& last_stats() const { return last_stats_; }
 
  protected:
   void average_with(const std::vector<at::Tensor>& params, const ProcessGroupPtr& group);
 
   ProcessGroupPtr process_group_;
-  AverageOptions options_;
+  comm::AverageOptions options_;
   int64_t step_ = 0;
-  AverageStats last_stats_;
+  comm::AverageStats last_stats_;
 };
 
 // Averages over the process group every `period` steps once `warmup_steps` steps have passed
@@ -65,7 +65,7 @@ class PeriodicModelAverager final : public ModelAverager {
  public:
   // Validates as torch's constructor (c10::ValueError naming the argument).
   PeriodicModelAverager(int64_t period, int64_t warmup_steps, ProcessGroupPtr process_group,
-                        AverageOptions options = {});
+                        comm::AverageOptions options = {});
 
   void average_parameters(const std::vector<at::Tensor>& params) override;
   // The parameter-group overload of the base class, still visible beside the override.
@@ -98,7 +98,7 @@ class HierarchicalModelAverager final : public ModelAverager {
   // Validates as torch's constructor (c10::ValueError naming what is wrong).
   HierarchicalModelAverager(std::vector<std::pair<int64_t, ProcessGroupPtr>> period_groups,
                             int64_t warmup_steps, ProcessGroupPtr process_group,
-                            AverageOptions options = {});
+                            comm::AverageOptions options = {});
 
   void average_parameters(const std::vector<at::Tensor>& params) override;
   // The parameter-group overload of the base class, still visible beside the override.
@@ -122,10 +122,5 @@ class HierarchicalModelAverager final : public ModelAverager {
 };
 
 }  // namespace optim
-
-// The names these classes have had since they were first public.
-using optim::HierarchicalModelAverager;
-using optim::ModelAverager;
-using optim::PeriodicModelAverager;
 
 }  // namespace ddpx

@@ -56,8 +56,4 @@ class PostLocalSGDOptimizer {
 };
 
 }  // namespace optim
-
-// The name this class has had since it was first public.
-using optim::PostLocalSGDOptimizer;
-
 }  // namespace ddpx
