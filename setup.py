@@ -9,7 +9,6 @@ Environment: DDPX_CUDA=AUTO|ON|OFF (default AUTO), DDPX_BUILD_DIR (default build
 CMAKE_BUILD_PARALLEL_LEVEL (default: number of CPUs).
 """
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,15 +17,6 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def _version() -> str:
-    """The one version number, from python/ddpx/_version.py (CMakeLists.txt reads it too)."""
-    with open(os.path.join(ROOT, "python", "ddpx", "_version.py")) as f:
-        match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
-    if match is None:
-        raise RuntimeError("ddpx: no __version__ in python/ddpx/_version.py")
-    return match.group(1)
 
 
 class CMakeExtension(Extension):
@@ -59,29 +49,27 @@ class CMakeBuild(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(pkg_dir, built[0]), target)
+        # Where the package is imported from: the wheel's folder, or for an editable install
+        # (pip install -e, which puts the sources on sys.path and places only the extension
+        # itself there) the source package.
+        package = os.path.dirname(target)
+        if getattr(self, "editable_mode", False):
+            package = os.path.join(ROOT, "python", "ddpx")
         # The torch this module was built against, checked by ddpx/_loader.py at import.
         shutil.copyfile(os.path.join(pkg_dir, "_build_info.py"),
-                        os.path.join(os.path.dirname(target), "_build_info.py"))
+                        os.path.join(package, "_build_info.py"))
         # The C++ library, headers and CMake package inside the Python package (lib/,
         # include/, lib/cmake/ddpx), as torch ships its own: ddpx.cmake_prefix_path points
         # there, so a C++ program can find_package(ddpx) from a pip install. Its targets were
         # built above as _C's dependencies.
-        package = os.path.dirname(target)
         for sub in ("lib", "include"):
             shutil.rmtree(os.path.join(package, sub), ignore_errors=True)
         subprocess.check_call(["cmake", "--install", build_dir, "--prefix", package], env=env,
                               stdout=subprocess.DEVNULL)
 
 
+# Name, version, packages and the other metadata: pyproject.toml ([project], [tool.setuptools]).
 setup(
-    name="ddpx",
-    version=_version(),
-    description="Native C++/CUDA DDP communication hooks for torch.distributed",
-    license="BSD-3-Clause",
-    packages=["ddpx", "ddpx.hooks"],
-    package_dir={"": "python"},
     ext_modules=[CMakeExtension("ddpx._C")],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.8",
-    zip_safe=False,
 )
