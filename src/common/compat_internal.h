@@ -201,7 +201,7 @@ class MemoryReporter : public c10::MemoryReportingInfoBase {
 #endif
       on_memory(alloc_size, device);
 }
-};
+};  // namespace compat
 
-}  // namespace compat
+}  // namespace ddpx
 }  // namespace ddpx
