@@ -24,9 +24,22 @@ if importlib.util.find_spec("ddpx") is None:
             "pip-install it, or point DDPX_BUILD_PYTHON_DIR at the folder holding ddpx/")
     sys.path.insert(0, _build)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ddpx  # noqa: E402  (after the path set-up; fails loudly on a broken build)
+import selection  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cases(*patterns): the cases of the module's batch launches this test reads "
+        "(none: only what every launch makes), so that -k launches only those (selection.py)")
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
+def pytest_collection_modifyitems(session, config, items):
+    selection.record(items)
 
 
 def pytest_report_header(config):

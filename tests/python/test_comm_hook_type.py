@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_cases as dc
 import ddpx
+import selection
 import torch_compat as tc
 from dist_utils import catch, run_ranks
 
@@ -132,7 +133,11 @@ def rank_members(rank, world_size, runs, torch_cannot):
 
 @functools.lru_cache(maxsize=None)
 def results():
-    return run_ranks(rank_members, WORLD, args=(RUNS, TORCH_CANNOT))
+    # The members the selected tests read (every run of every member and variant in CI); the
+    # own-group and second-hook records are made in every launch.
+    keys = set(selection.wanted(__name__, [_key(n, v) for n, v in RUNS]))
+    runs = [(n, v) for n, v in RUNS if _key(n, v) in keys]
+    return run_ranks(rank_members, WORLD, args=(runs, TORCH_CANNOT))
 
 
 def _rel(a, b):
@@ -163,6 +168,7 @@ def _check(key, name, variant, res):
             assert excess <= 0, (rank, it, excess)
 
 
+@pytest.mark.cases("{name}*")
 @pytest.mark.parametrize("name,variant", RUNS, ids=[_key(n, v) for n, v in RUNS])
 def test_member_equals_torchs(name, variant):
     res = results()
@@ -205,6 +211,7 @@ def _check_without_torch(key, name, res):
             assert (got.double() - mean).abs().max().item() <= step.item() / WORLD * 1.001, it
 
 
+@pytest.mark.cases()
 @pytest.mark.parametrize("name", ["ALLREDUCE", "POWER_SGD"])
 def test_process_group_state(name):
     res = results()
@@ -214,6 +221,7 @@ def test_process_group_state(name):
                 assert torch.equal(r[(f"{name}/own group", impl)][it], r["local"][it]), impl
 
 
+@pytest.mark.cases()
 def test_second_hook_is_refused_as_by_torch():
     for r in results():
         assert r[("second", "torch")][0] == "RuntimeError", r[("second", "torch")]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ddp_cases as dc
+import selection
 import torch_compat as tc
 from dist_utils import run_ranks
 
@@ -35,8 +36,8 @@ def grads(world_size: int, variant: str):
     torch_names = tuple(dc.TORCH_HOOKS)
     if tc.TORCH_BF16_HOOKS_ON_GLOO:
         torch_names += tuple(dc.TORCH_HOOKS_NCCL)
-    return run_ranks(dc.rank_grads, world_size,
-                     args=(dc.all_configs(torch_names=torch_names), ITERATIONS),
+    configs = selection.wanted(__name__, dc.all_configs(torch_names=torch_names))
+    return run_ranks(dc.rank_grads, world_size, args=(configs, ITERATIONS),
                      kwargs=VARIANTS[variant])
 
 
@@ -99,6 +100,7 @@ def test_several_buckets():
             assert sum(sizes) == numel
 
 
+@pytest.mark.cases("ddpx_allreduce_*", "torch_allreduce", "torch_none")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_allreduce_bit_identical_to_torch(world_size, variant):
     res = grads(world_size, variant)
@@ -118,6 +120,7 @@ def test_allreduce_bit_identical_to_torch(world_size, variant):
             assert not torch.equal(res[0][config][it], local[0])
 
 
+@pytest.mark.cases("ddpx_fp16_*", "torch_fp16", "torch_allreduce")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_fp16_compress_hook(world_size, variant):
     """ddpx fp16: equal, bit for bit, to its closed form (one fp16 rounding of x_r / W per rank,
@@ -144,6 +147,7 @@ def test_fp16_compress_hook(world_size, variant):
             assert max_violation(got, mean, own) <= 0, (config, it)
 
 
+@pytest.mark.cases("ddpx_bf16_*", "torch_allreduce")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_bf16_compress_hook(world_size, variant):
     """ddpx bf16 on Gloo (torch 1.13's own refuses Gloo; 2.x's CUDA builds accept it, see
@@ -161,6 +165,7 @@ def test_bf16_compress_hook(world_size, variant):
 
 @pytest.mark.skipif(not tc.TORCH_BF16_HOOKS_ON_GLOO,
                     reason="this torch's bf16 hooks refuse Gloo (torch 1.13, or a CPU-only build)")
+@pytest.mark.cases("ddpx_bf16_*", "torch_bf16*", "torch_allreduce")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_bf16_against_torchs_own(world_size, variant):
     """Where torch's own bf16 hooks run on Gloo (torch 2.x CUDA builds): ddpx's bf16 hook and
@@ -184,6 +189,7 @@ def test_bf16_against_torchs_own(world_size, variant):
             assert max_violation(wrap, wrap_ref, bound + dc.U_BF16 * dc.mean_abs(local)) <= 0
 
 
+@pytest.mark.cases("ddpx_fp16_*", "ddpx_bf16_*", "torch_fp16_wrap")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_compress_wrappers(world_size, variant):
     """fp16/bf16_compress_wrapper(allreduce_hook): equal to their closed form (cast x_r, sum in
@@ -214,6 +220,7 @@ def test_compress_wrappers(world_size, variant):
                     assert max_violation(got, ref, bound) <= 0, (config, it)
 
 
+@pytest.mark.cases("ddpx_noop_*")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_noop_keeps_local_gradients(world_size, variant):
     res = grads(world_size, variant)
@@ -226,6 +233,7 @@ def test_noop_keeps_local_gradients(world_size, variant):
                 assert not torch.equal(res[r][config][it], res[0][config][it])
 
 
+@pytest.mark.cases("ddpx_bf16_wrap_noop_*")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_wrapper_over_noop_rounds_local_gradients(world_size, variant):
     """bf16_compress_wrapper(noop_hook): no communication, each rank's own gradient rounded to
@@ -240,6 +248,7 @@ def test_wrapper_over_noop_rounds_local_gradients(world_size, variant):
                 assert not torch.equal(got, local)
 
 
+@pytest.mark.cases("ddpx_*")
 @pytest.mark.parametrize("world_size,variant", SCENARIOS, ids=SCENARIO_IDS)
 def test_dropin_equals_native(world_size, variant):
     """Both registrations run the same C++ hook: bit-identical gradients on every rank."""

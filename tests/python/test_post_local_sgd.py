@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import ddpx
 import post_local_sgd_cases as pc
+import selection
 from dist_utils import run_ranks
 
 cfg = pc.cfg
@@ -119,6 +120,7 @@ def launch(world_size):
     cases += [(f"resume/{n}", "resume", {"c": c, "save_at": s, "how": how})
               for n, c, s, how in RESUME[world_size]]
     cases += OTHER[world_size]
+    cases = selection.wanted_cases(__name__, cases)
     return run_ranks(pc.rank_cases, world_size, args=(cases,), timeout=240)
 
 
@@ -159,6 +161,7 @@ DIFF_IDS = [f"W{w}-{n}" for w, n, _ in DIFF]
 
 # ---- differential: trajectories ----------------------------------------------------------------
 
+@pytest.mark.cases("train/{name}", "train/{ref}")
 @pytest.mark.parametrize("world_size,name,ref", DIFF, ids=DIFF_IDS)
 def test_trajectory_matches_torch(world_size, name, ref):
     """Parameters after each of the 30 steps, bit for bit: ddpx's hook reduces DDP's buckets
@@ -180,6 +183,7 @@ def test_trajectory_matches_torch(world_size, name, ref):
                                    atol=0)
 
 
+@pytest.mark.cases("train/{name}", "train/{ref}")
 @pytest.mark.parametrize("world_size,name,ref", DIFF, ids=DIFF_IDS)
 def test_counters_match_torch(world_size, name, ref):
     """The hook's iter and the averager's step after each step, as torch's: iter counts the
@@ -201,6 +205,7 @@ def _min_pair_diff(res, step, ranks):
     return min(maxdiff(res[a]["params"][step], res[b]["params"][step]) for a, b in ranks)
 
 
+@pytest.mark.cases("train/{name}")
 @pytest.mark.parametrize("name", ["torch/noar", "dropin/noar", "native/noar",
                                   "native/noar/averager"])
 def test_replicas_drift_and_coincide_2_ranks(name):
@@ -215,6 +220,7 @@ def test_replicas_drift_and_coincide_2_ranks(name):
         assert maxdiff(res[0]["params"][s], res[1]["params"][s]) > 1e-4, s
 
 
+@pytest.mark.cases("train/{name}")
 @pytest.mark.parametrize("name", ["torch", "dropin", "native", "native/averager", "dropin/tiny"])
 def test_replicas_subgroups_4_ranks(name):
     """Subgroups {0, 1}, {2, 3}: within a subgroup the replicas stay equal (gradients averaged
@@ -229,6 +235,7 @@ def test_replicas_subgroups_4_ranks(name):
             assert _min_pair_diff(res, s, across) > 1e-4, s
 
 
+@pytest.mark.cases("train/{name}")
 @pytest.mark.parametrize("name", ["torch/hier", "dropin/hier", "native/hier",
                                   "native/hier/averager"])
 def test_hierarchical_pattern(name):
@@ -250,6 +257,7 @@ def test_hierarchical_pattern(name):
             assert _min_pair_diff(res, s, everybody) > 1e-4, s
 
 
+@pytest.mark.cases("train/*")
 def test_post_local_sgd_differs_from_ddp():
     """The comparisons above are not trivial: without gradient allreduce after warm-up the
     trajectory leaves plain DDP's by far more than the tolerance; with a subgroup that is the
@@ -267,6 +275,7 @@ def test_post_local_sgd_differs_from_ddp():
             assert torch.equal(res[rank]["params"], ddp[rank]["params"]), name
 
 
+@pytest.mark.cases("train/dropin/sched", "train/dropin/noar")
 def test_lr_scheduler_applies():
     """StepLR(5, 0.5) on the wrapper changes the wrapped optimizer's lr as on torch's wrapper,
     and the trajectory differs from the run without it."""
@@ -275,6 +284,7 @@ def test_lr_scheduler_applies():
     assert maxdiff(sched[0]["params"][-1], plain[0]["params"][-1]) > 1e-3
 
 
+@pytest.mark.cases("train/*")
 def test_training_makes_progress():
     for world_size, name in ((2, "dropin/noar"), (4, "dropin/hier")):
         for res in train(world_size, name):
@@ -282,6 +292,7 @@ def test_training_makes_progress():
             assert losses[-5:].mean() < 0.7 * losses[:5].mean()
 
 
+@pytest.mark.cases("train/*")
 def test_averager_stats_after_training():
     """last_stats of the ddpx averagers after the run (step 29: no averaging -> zeros)."""
     for world_size, name in ((2, "dropin"), (4, "dropin/hier")):
@@ -299,6 +310,7 @@ RESUME_PARAMS = [
     for w in (2, 4) for n, *_ in RESUME[w] if n not in CONTROLS]
 
 
+@pytest.mark.cases("resume/{name}")
 @pytest.mark.parametrize("world_size,name", RESUME_PARAMS)
 def test_resume_reproduces_trajectory(world_size, name):
     """Checkpoint (model, PostLocalSGDOptimizer state_dict with the averager's step, hook
@@ -314,6 +326,7 @@ def test_resume_reproduces_trajectory(world_size, name):
         assert res["full_iter"] == pc.START and res["full_avg_step"] == pc.STEPS
 
 
+@pytest.mark.cases("resume/control/*")
 def test_resume_controls_diverge():
     """Resuming without the hook's iter (fresh state: warm-up again) or without the averager's
     step (warns, step 0: averaging at other steps) does not reproduce the trajectory: the
@@ -329,6 +342,7 @@ def test_resume_controls_diverge():
 
 # ---- PostLocalSGDOptimizer ---------------------------------------------------------------------
 
+@pytest.mark.cases("optimizer")
 def test_optimizer_wrapper_like_torch():
     for _rank, o in enumerate(case(2, "optimizer")):
         assert o["isinstance_optimizer"]
@@ -345,6 +359,7 @@ def test_optimizer_wrapper_like_torch():
         assert o["add_param_group"] == (2, 0.5, True)
 
 
+@pytest.mark.cases("optimizer")
 def test_param_groups_follow_load_state_dict():
     for o in case(2, "optimizer"):
         shared, lr = o["after_load/ddpx"]
@@ -352,12 +367,14 @@ def test_param_groups_follow_load_state_dict():
         assert lr == pytest.approx(pc.LR * 0.1)
 
 
+@pytest.mark.cases("optimizer")
 def test_optimizer_zero_grad():
     for o in case(2, "optimizer"):
         assert o["zero_grad_false"] == [0.0] * 6       # zeroed, kept
         assert o["zero_grad_true"] == [True] * 6       # set to None
 
 
+@pytest.mark.cases("param_groups")
 def test_averager_takes_param_groups():
     """average_parameters(optimizer.param_groups) and (parameters) give torch's values; a
     parameter without a gradient is skipped; ddpx averages in place (torch rebinds .data)."""
@@ -380,6 +397,7 @@ def test_averager_takes_param_groups():
 
 # ---- average_parameters directly ----------------------------------------------------------------
 
+@pytest.mark.cases("average")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_average_parameters_mixed_dtypes(world_size):
     """fp32 and fp64 together: torch promotes to fp64, averages, casts back. The fp32 results
@@ -398,6 +416,7 @@ def test_average_parameters_mixed_dtypes(world_size):
                     torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.cases("average")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_average_parameters_fp32(world_size):
     for res in case(world_size, "average"):
@@ -416,6 +435,7 @@ def test_average_parameters_fp32(world_size):
             assert torch.equal(a, b)
 
 
+@pytest.mark.cases("average")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_duplicate_parameters_average_like_torch(world_size):
     """A parameter listed twice (and views of it listed with it) is averaged once, as torch's
@@ -431,11 +451,13 @@ def test_duplicate_parameters_average_like_torch(world_size):
                 torch.testing.assert_close(got, d["torch"], **tol)
 
 
+@pytest.mark.cases("average")
 def test_period_and_warmup_settable_mid_run_like_torch():
     for res in case(2, "average"):
         assert res["schedule"]["ddpx"] == res["schedule"]["torch"] == [0, 2, 6, 10]
 
 
+@pytest.mark.cases("average")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_with_different_parameters_raise_value_error(world_size):
     for res in case(world_size, "average"):
@@ -443,6 +465,7 @@ def test_ranks_with_different_parameters_raise_value_error(world_size):
         assert kind == "ValueError" and "passed different tensors" in message, res["mismatch"]
 
 
+@pytest.mark.cases("average")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_average_parameters_non_contiguous(world_size):
     for res in case(world_size, "average"):
@@ -452,6 +475,7 @@ def test_average_parameters_non_contiguous(world_size):
                                    atol=0 if world_size == 2 else ATOL)
 
 
+@pytest.mark.cases("average")
 def test_average_parameters_stats_bounded():
     """1 KiB buckets: the fp32 tensors (not the common dtype fp64) must be staged, in chunks of
     at most a bucket, so at least ceil(their fp64 bytes / 1 KiB) collectives; staging memory
@@ -477,6 +501,7 @@ def test_average_parameters_stats_bounded():
         assert all(v == 0 for v in res[f"stats/{cap}/idle"].values()), res[f"stats/{cap}/idle"]
 
 
+@pytest.mark.cases("average")
 def test_params_without_grad_skipped():
     for rank, res in enumerate(case(2, "average")):
         assert res["get_params_to_average"] == [True, False, True]
@@ -486,6 +511,7 @@ def test_params_without_grad_skipped():
         assert torch.equal(got[2], torch.full((3,), 0.5))
 
 
+@pytest.mark.cases("average")
 def test_average_parameters_non_member_group():
     """A group of ranks {0, 1} on 4 ranks: the members average (as torch), the others are left
     alone (torch's NON_GROUP_MEMBER)."""
@@ -507,6 +533,7 @@ ERROR_CASES = ["period0", "period-1", "warmup-1", "hier_empty", "hier_none", "hi
 WARNING_CASES = ["period1", "hier_max_period1"]
 
 
+@pytest.mark.cases("errors")
 @pytest.mark.parametrize("name", ERROR_CASES)
 def test_bad_arguments_raise_like_torch(name):
     for res in case(2, "errors"):
@@ -516,11 +543,13 @@ def test_bad_arguments_raise_like_torch(name):
         assert d[1], d  # a message
 
 
+@pytest.mark.cases("errors")
 def test_last_group_size_message():
     d = case(2, "errors", 0)["hier_last_size"]["ddpx"]
     assert "1" in d[1] and "2" in d[1], d
 
 
+@pytest.mark.cases("errors")
 @pytest.mark.parametrize("name", list(WARNING_CASES) + ["period2", "hier_ok"])
 def test_warnings_like_torch(name):
     for res in case(2, "errors"):
@@ -531,11 +560,13 @@ def test_warnings_like_torch(name):
         assert len([w for w in t[2] if w.startswith("UserWarning")]) == len(warned)
 
 
+@pytest.mark.cases("errors")
 def test_negative_start_localSGD_iter():
     for res in case(2, "errors"):
         assert res["state_start-1"][0] == "ValueError", res["state_start-1"]
 
 
+@pytest.mark.cases("errors")
 @pytest.mark.parametrize("name", ["mismatch_averager", "mismatch_optim"])
 def test_warmup_mismatch_is_a_clear_error(name):
     """Hook start_localSGD_iter 6, averager warmup_steps 4: ValueError naming both at the first
@@ -548,6 +579,7 @@ def test_warmup_mismatch_is_a_clear_error(name):
         assert res[name + "/avg_step"] <= 1
 
 
+@pytest.mark.cases("errors")
 def test_matching_warmup_no_error():
     for res in case(2, "errors"):
         assert res["match_optim"][0] is None, res["match_optim"]
@@ -556,6 +588,7 @@ def test_matching_warmup_no_error():
 
 # ---- PostLocalSGDState --------------------------------------------------------------------------
 
+@pytest.mark.cases("state")
 def test_state_attributes_and_round_trips():
     for res in case(2, "state"):
         assert res["attrs"] == (True, True, 5, False, 0)
@@ -573,6 +606,7 @@ def test_state_attributes_and_round_trips():
         assert res["bad_load"][0] is not None, res["bad_load"]
 
 
+@pytest.mark.cases("state")
 def test_state_iter_counts_like_torch():
     """maybe_increase_iter(bucket) on the same buckets: the same counts as torch's state (one
     per backward pass, on the last bucket), with several buckets per pass."""

@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
 
 import ddpx
 import powersgd_cases as pc
+import selection
 import torch_compat as tc
 from dist_utils import run_ranks
 
@@ -80,7 +81,7 @@ DIFF_IDS = [f"W{w}-{o}" for w, o in DIFFERENTIAL]
 @functools.lru_cache(maxsize=None)
 def train(world_size):
     """results[rank][name] (see pc.rank_train)."""
-    names = list(RUNS[world_size])
+    names = selection.wanted(__name__, list(RUNS[world_size]))
     res = run_ranks(pc.rank_train, world_size, args=([RUNS[world_size][n] for n in names], STEPS),
                     kwargs={"lr": LR})
     return [dict(zip(names, r)) for r in res]
@@ -92,6 +93,7 @@ def rel(a, b):
 
 # ---- differential against torch's powerSGD_hook ---------------------------------------------
 
+@pytest.mark.cases("torch/{opts}", "dropin/{opts}", "allreduce")
 @pytest.mark.parametrize("world_size,opts", DIFFERENTIAL, ids=DIFF_IDS)
 def test_first_steps_match_torch(world_size, opts):
     start = OPTS[opts]["start_powerSGD_iter"]
@@ -107,6 +109,7 @@ def test_first_steps_match_torch(world_size, opts):
             assert rel(d["grads"][start + 1], plain["grads"][start + 1]) > 1e3 * STEP_RTOL[opts]
 
 
+@pytest.mark.cases("torch/{opts}", "dropin/{opts}", "allreduce")
 @pytest.mark.parametrize("world_size,opts", DIFFERENTIAL, ids=DIFF_IDS)
 def test_trajectory_matches_torch(world_size, opts):
     """50 SGD steps: through step 25 the parameters agree within 1e-5 (measured <= 3.4e-7), a
@@ -123,6 +126,7 @@ def test_trajectory_matches_torch(world_size, opts):
             assert (diff[:25] <= 0.01 * to_allreduce[:25]).all()
 
 
+@pytest.mark.cases("torch/{opts}", "dropin/{opts}", "native/{opts}")
 @pytest.mark.parametrize("world_size,opts", DIFFERENTIAL, ids=DIFF_IDS)
 def test_compression_stats_equal_torch(world_size, opts):
     numel = sum(math.prod(s) for _, s in pc.param_shapes())
@@ -166,6 +170,7 @@ def test_keys_follow_parameter_order():
                 dict(matrix_approximation_rank=1, min_compression_rate=0.5), factor="p")
 
 
+@pytest.mark.cases("dropin/{opts}", "native/{opts}")
 @pytest.mark.parametrize("world_size,opts", DIFFERENTIAL, ids=DIFF_IDS)
 def test_compressed_tensors_are_torchs_choice(world_size, opts):
     expected = expected_q_sizes(OPTS[opts])
@@ -177,6 +182,7 @@ def test_compressed_tensors_are_torchs_choice(world_size, opts):
             assert d["error_keys"] == list(range(len(pc.param_shapes())))  # error feedback: all
 
 
+@pytest.mark.cases("dropin/r4")
 def test_rank4_min_rate_half_compresses_biases():
     """min_compression_rate=0.5: torch compresses even the n x 1 bias matrices (rank 1)."""
     expected = expected_q_sizes(OPTS["r4"])
@@ -185,6 +191,7 @@ def test_rank4_min_rate_half_compresses_biases():
     assert train(4)[0]["dropin/r4"]["q_sizes"] == expected
 
 
+@pytest.mark.cases("dropin/{opts}", "native/{opts}")
 @pytest.mark.parametrize("world_size,opts", DIFFERENTIAL, ids=DIFF_IDS)
 def test_dropin_and_native_bit_identical(world_size, opts):
     for res in train(world_size):
@@ -193,6 +200,7 @@ def test_dropin_and_native_bit_identical(world_size, opts):
             assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.cases("*")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_replicas_in_sync(world_size):
     res = train(world_size)
@@ -201,6 +209,7 @@ def test_replicas_in_sync(world_size):
             assert torch.equal(res[r][name]["params"], res[0][name]["params"]), (name, r)
 
 
+@pytest.mark.cases("*")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_iter_counts_once_per_step(world_size):
     for res in train(world_size):
@@ -214,6 +223,7 @@ def test_iter_counts_once_per_step(world_size):
 U16 = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 
 
+@pytest.mark.cases("{dtype16}/r1", "dropin/r1", "seed1/r1")
 @pytest.mark.parametrize("dtype16", ["fp16", "bf16"])
 def test_16bit_wrapper_close_to_fp32_powersgd(dtype16):
     """<dtype>_compress_wrapper(powerSGD_hook): PowerSGD on the bucket rounded to 16 bits, P and

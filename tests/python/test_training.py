@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ddp_cases as dc
+import selection
 from dist_utils import run_ranks
 
 STEPS = 20
@@ -33,7 +34,8 @@ IDS = ["W2", "W3", "W3-bucket_view+static"]
 @functools.lru_cache(maxsize=None)
 def train(index: int):
     world_size, kwargs = SCENARIOS[index]
-    return run_ranks(dc.rank_train, world_size, args=(CONFIGS, STEPS, LR), kwargs=kwargs)
+    configs = selection.wanted(__name__, CONFIGS)
+    return run_ranks(dc.rank_train, world_size, args=(configs, STEPS, LR), kwargs=kwargs)
 
 
 def error_scale(res) -> torch.Tensor:
@@ -46,6 +48,7 @@ def max_dev_per_step(a, b) -> torch.Tensor:
     return (a.double() - b.double()).abs().max(dim=1).values
 
 
+@pytest.mark.cases("ddpx_allreduce_*", "torch_allreduce", "torch_none")
 @pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=IDS)
 def test_allreduce_trajectory_bit_identical(index):
     res = train(index)
@@ -72,6 +75,7 @@ def test_allreduce_trajectory_bit_identical(index):
                            res[0]["ddpx_allreduce_native"]["params"])
 
 
+@pytest.mark.cases("*")
 @pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=IDS)
 def test_training_makes_progress(index):
     """The set-up is a real training: steps 0 and 16 see the same batch; its loss went down."""
@@ -81,6 +85,7 @@ def test_training_makes_progress(index):
         assert losses[16] < 0.95 * losses[0], (config, losses.tolist())
 
 
+@pytest.mark.cases("ddpx_fp16_*", "torch_fp16", "torch_none")
 @pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=IDS)
 def test_fp16_trajectory_tracks_torch(index):
     res = train(index)
@@ -105,6 +110,7 @@ def test_fp16_trajectory_tracks_torch(index):
             assert not torch.equal(got, fp32)  # it did go through fp16
 
 
+@pytest.mark.cases("ddpx_bf16_*", "torch_none")
 @pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=IDS)
 def test_bf16_trajectory_tracks_fp32(index):
     """torch 1.13's bf16 hook refuses Gloo: the reference is the exact (fp32) trajectory."""
@@ -118,6 +124,7 @@ def test_bf16_trajectory_tracks_fp32(index):
         assert not torch.equal(got, fp32)
 
 
+@pytest.mark.cases("ddpx_*")
 @pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=IDS)
 def test_dropin_equals_native_trajectory(index):
     res = train(index)

@@ -39,6 +39,7 @@ import os
 import pytest
 import torch
 
+import selection
 import zero_cases as zc
 from dist_utils import run_ranks
 
@@ -161,6 +162,7 @@ def _launch(world_size):
         cases += [("errors", "errors", {})]
     # the checkpoint that test_resume_across_world_sizes loads on other world sizes
     cases += [("save", "save", dict(path=ckpt_path(world_size)))]
+    cases = selection.wanted_cases(__name__, cases)
     return run_ranks(zc.rank_cases, world_size, args=(IMPL, cases), timeout=240,
                      collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
@@ -227,6 +229,7 @@ DIFF_IDS = [f"W{w}-{o}-{k}-{'groups' if g else 'onegroup'}-{bv(b)}"
             for w, o, k, g, b in DIFF_PARAMS]
 
 
+@pytest.mark.cases("diff/{opt}/{kind}/*")
 @pytest.mark.parametrize("world_size,opt,kind,groups,bucket", DIFF_PARAMS, ids=DIFF_IDS)
 def test_matches_torch_zero(world_size, opt, kind, groups, bucket):
     """Parameters after every step equal torch's ZeRO's (within the optimizer's tolerance), on
@@ -244,6 +247,7 @@ def test_matches_torch_zero(world_size, opt, kind, groups, bucket):
                 assert (out["impl"][:, a:b] == out["impl"][0, a:b]).all(), (a, b)
 
 
+@pytest.mark.cases("diff/{opt}/{kind}/*")
 @pytest.mark.parametrize("world_size,opt,kind,groups", [
     (w, o, k, g) for w in WORLD_SIZES for o, k, g in
     [("sgd", "frozen", False), ("adam", "plain", False), ("sgd_nesterov", "frozen", True)]],
@@ -264,6 +268,7 @@ def test_partition_of_model_matches_torch(world_size, opt, kind, groups):
     assert res[0]["impl_lrs"] == ([lr * 0.5, lr * 2] if groups else [lr])
 
 
+@pytest.mark.cases("partition/{name}")
 @pytest.mark.parametrize("world_size,name", [(w, n) for w in WORLD_SIZES for n in PARTITIONS],
                          ids=lambda v: str(v))
 def test_partition_matches_torch(world_size, name):
@@ -293,6 +298,7 @@ def test_greedy_partition_reference():
     assert zc.greedy_partition([[(0, 4), (1, 4)], [(2, 1)]], 2) == [[[0], [2]], [[1], []]]
 
 
+@pytest.mark.cases("subgroup/{opt}/*")
 @pytest.mark.parametrize("opt,bucket", SUBGROUP, ids=lambda v: str(v))
 def test_process_group_of_some_ranks(opt, bucket):
     """process_group = ranks {1, 3} of 4 (group rank 1 is global rank 3): torch's partition and
@@ -315,6 +321,7 @@ def test_process_group_of_some_ranks(opt, bucket):
     state_close(mine["state"], ref["state"], tol, "vs torch's ZeRO")
 
 
+@pytest.mark.cases("api")
 def test_api_facts():
     """A torch.optim.Optimizer and a Joinable; join_device is the parameters' device,
     join_process_group the WORLD group (or the group given); zero.optim is an instance of
@@ -339,6 +346,7 @@ def test_api_facts():
 DDP_PARAMS = [(w, o, b) for w in WORLD_SIZES for o in DDP_DIFF for b in BUCKET]
 
 
+@pytest.mark.cases("ddp/{opt}/*")
 @pytest.mark.parametrize("world_size,opt,bucket", DDP_PARAMS,
                          ids=[f"W{w}-{o}-{bv(b)}" for w, o, b in DDP_PARAMS])
 def test_matches_ddp_unsharded(world_size, opt, bucket):
@@ -352,6 +360,7 @@ def test_matches_ddp_unsharded(world_size, opt, bucket):
 
 # ---- 4. LR scheduler ---------------------------------------------------------------------------
 
+@pytest.mark.cases("sched/*")
 @pytest.mark.parametrize("world_size,bucket", [(w, b) for w in (2, 3) for b in BUCKET],
                          ids=lambda v: str(v))
 def test_lr_scheduler(world_size, bucket):
@@ -377,6 +386,7 @@ def test_lr_scheduler(world_size, bucket):
 
 # ---- 5. add_param_group ------------------------------------------------------------------------
 
+@pytest.mark.cases("add_group/*")
 @pytest.mark.parametrize("world_size,bucket", [(w, b) for w in (2, 3) for b in BUCKET],
                          ids=lambda v: str(v))
 def test_add_param_group(world_size, bucket):
@@ -406,6 +416,7 @@ def test_add_param_group(world_size, bucket):
 JOIN_PARAMS = [(w, o, b) for w in (2, 3, 4) for o, b in JOIN]
 
 
+@pytest.mark.cases("join/{opt}/*")
 @pytest.mark.parametrize("world_size,opt,bucket", JOIN_PARAMS,
                          ids=[f"W{w}-{o}-{bv(b)}" for w, o, b in JOIN_PARAMS])
 def test_join_uneven_inputs(world_size, opt, bucket):
@@ -421,6 +432,7 @@ def test_join_uneven_inputs(world_size, opt, bucket):
 
 # ---- 8. step(closure), step(**kwargs) ----------------------------------------------------------
 
+@pytest.mark.cases("closure/*")
 @pytest.mark.parametrize("bucket", BUCKET, ids=bv)
 def test_step_closure_returns_loss(bucket):
     """step(closure) runs the closure once and returns its loss; the steps follow torch's."""
@@ -435,6 +447,7 @@ def test_step_closure_returns_loss(bucket):
         assert_moves(mine["traj"])
 
 
+@pytest.mark.cases("closure/*")
 @pytest.mark.parametrize("bucket", BUCKET, ids=bv)
 def test_step_kwargs_reach_optimizer(bucket):
     """step(scale=2.0) reaches the local optimizer's step(): every parameter it owns saw scale
@@ -456,6 +469,7 @@ CKPT_PARAMS = [(1, 0, False)] + [(w, t, b) for w in (2, 3, 4)
                                  for t, b in ((0, False), (w - 1, True))]
 
 
+@pytest.mark.cases("ckpt/to{to}/*")
 @pytest.mark.parametrize("world_size,to,bucket", CKPT_PARAMS,
                          ids=[f"W{w}-to{t}-{bv(b)}" for w, t, b in CKPT_PARAMS])
 def test_consolidated_state_dict(world_size, to, bucket):
@@ -500,6 +514,7 @@ def resume(w1, w2):
     return torch.load(path), [out["load"] for out in loaded]
 
 
+@pytest.mark.cases("save")
 @pytest.mark.parametrize("w1,w2", RESUME, ids=lambda v: str(v))
 def test_resume_across_world_sizes(w1, w2):
     """A checkpoint consolidated on W1 ranks, loaded on W2 ranks into a ZeRO built with another
@@ -528,6 +543,7 @@ def test_resume_across_world_sizes(w1, w2):
     state_close(again["state"], saved["state"], 0.0, "reconsolidated")
 
 
+@pytest.mark.cases("save")
 @ddpx_only
 @pytest.mark.parametrize("w1,w2", RESUME, ids=lambda v: str(v))
 def test_load_state_dict_leaves_input_unchanged(w1, w2):
@@ -566,6 +582,7 @@ def _message_has(message, words):
     return True
 
 
+@pytest.mark.cases("errors")
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_bad_arguments(name):
     """Each bad argument raises torch's exception type, with a message naming the problem."""
@@ -576,6 +593,7 @@ def test_bad_arguments(name):
     assert _message_has(got["impl"][1], words), got["impl"]
 
 
+@pytest.mark.cases("errors")
 @ddpx_only
 @pytest.mark.parametrize("name", ["class_is_str", "class_is_instance", "class_not_optimizer"])
 def test_optimizer_class_checked(name):
