@@ -2,6 +2,7 @@
 test failure with its traceback, and a hang becomes a timeout instead of a stuck suite."""
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -73,3 +74,42 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+class _Marker:
+    def __init__(self, *args):
+        self.args = args
+
+
+class _Item:
+    """What selection.record reads of a pytest item: its module, its `cases` marker and its
+    parameters."""
+
+    def __init__(self, module, patterns=None, **params):
+        self.module = types.SimpleNamespace(__name__=module)
+        self._marker = None if patterns is None else _Marker(*patterns)
+        self.callspec = types.SimpleNamespace(params=params)
+
+    def get_closest_marker(self, name):
+        return self._marker if name == "cases" else None
+
+
+def test_selection_launches_what_the_selected_tests_read(monkeypatch):
+    """selection.wanted: the union of the selected tests' patterns, formatted with their
+    parameters, in the batch's order; everything for an unmarked test or an unknown module;
+    nothing but the always-made records for `cases()`."""
+    import selection
+    monkeypatch.setattr(selection, "_patterns", {})
+    monkeypatch.setattr(selection, "_recorded", False)
+    names = ["torch/r1", "dropin/r1", "native/r1", "torch/r4", "dropin/r4", "allreduce"]
+    assert selection.wanted("m", names) == names  # before any selection: all
+    selection.record([_Item("m", ("torch/{opts}", "dropin/{opts}"), opts="r4"),
+                      _Item("m", ("allreduce",)),
+                      _Item("empty", ()),
+                      _Item("unmarked"), _Item("unmarked", ("torch/*",))])
+    assert selection.wanted("m", names) == ["torch/r4", "dropin/r4", "allreduce"]
+    assert selection.wanted("empty", names) == []
+    assert selection.wanted("unmarked", names) == names
+    assert selection.wanted("not collected", names) == names
+    cases = [(n, "fn", {}) for n in names]
+    assert selection.wanted_cases("m", cases) == [cases[3], cases[4], cases[5]]
