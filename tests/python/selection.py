@@ -6,7 +6,7 @@ ranks and check each case in its own test: starting ranks costs seconds, a case 
 that. A test says which cases it reads with the marker ``cases``: shell-style patterns
 (``fnmatch``), formatted with the test's parameters::
 
-    @pytest.mark.cases("torch_allreduce", "ddpx_allreduce_*", "local")
+    @pytest.mark.cases("torch_allreduce", "ddpx_allreduce_*")
     @pytest.mark.parametrize("world_size", [2, 3])
     def test_allreduce(world_size): ...
 
@@ -25,15 +25,12 @@ import fnmatch
 from typing import Dict, List, Optional, Sequence, Set
 
 # Module name -> the patterns its selected tests need; None: a selected test said nothing, so
-# every case.
+# every case. A module absent (nothing recorded yet, or not collected) also runs every case.
 _patterns: Dict[str, Optional[Set[str]]] = {}
-_recorded = False
 
 
 def record(items) -> None:
     """Called by conftest.py once the selection is final (after -k and -m)."""
-    global _recorded
-    _recorded = True
     _patterns.clear()
     for item in items:
         module = getattr(getattr(item, "module", None), "__name__", None)
@@ -53,7 +50,7 @@ def record(items) -> None:
 def wanted(module: str, names: Sequence[str]) -> List[str]:
     """The names of `names` that the selected tests of `module` need, in order (every name when
     the selection is unknown: a module run outside pytest, or an unmarked selected test)."""
-    patterns = _patterns.get(module) if _recorded else None
+    patterns = _patterns.get(module)
     if patterns is None:
         return list(names)
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]

@@ -100,7 +100,6 @@ def test_selection_launches_what_the_selected_tests_read(monkeypatch):
     nothing but the always-made records for `cases()`."""
     import selection
     monkeypatch.setattr(selection, "_patterns", {})
-    monkeypatch.setattr(selection, "_recorded", False)
     names = ["torch/r1", "dropin/r1", "native/r1", "torch/r4", "dropin/r4", "allreduce"]
     assert selection.wanted("m", names) == names  # before any selection: all
     selection.record([_Item("m", ("torch/{opts}", "dropin/{opts}"), opts="r4"),
