@@ -62,6 +62,7 @@ void SGDOptions::validate() const {
 AdamOptions AdamOptions::adamw_defaults() {
   AdamOptions o;
   o.weight_decay = 1e-2;
+  o.decoupled_weight_decay = true;
   return o;
 }
 
@@ -91,6 +92,15 @@ void RMSpropOptions::validate() const {
   TORCH_CHECK_VALUE(0.0 <= momentum, "Invalid momentum value: ", momentum);
   TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
   TORCH_CHECK_VALUE(0.0 <= alpha, "Invalid alpha value: ", alpha);
+}
+
+const char* optimizer_kind(const OptimizerOptions& options) {
+  if (std::holds_alternative<SGDOptions>(options)) return "sgd";
+  if (const auto* adam = std::get_if<AdamOptions>(&options)) {
+    return adam->decoupled_weight_decay ? "adamw" : "adam";
+  }
+  if (std::holds_alternative<AdagradOptions>(options)) return "adagrad";
+  return "rmsprop";
 }
 
 // ---- steps ----------------------------------------------------------------------------------
@@ -131,8 +141,9 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                std::vector<at::Tensor>& exp_avgs, std::vector<at::Tensor>& exp_avg_sqs,
                std::vector<at::Tensor>& max_exp_avg_sqs, std::vector<int64_t>& steps,
-               const AdamOptions& opts, bool decoupled_weight_decay) {
-  const char* kOp = decoupled_weight_decay ? "ddpx::optim::adamw_step" : "ddpx::optim::adam_step";
+               const AdamOptions& opts) {
+  const char* kOp =
+      opts.decoupled_weight_decay ? "ddpx::optim::adamw_step" : "ddpx::optim::adam_step";
   opts.validate();
   const size_t n = params.size();
   check_count(n, grads.size(), kOp, "grads");
@@ -164,7 +175,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   s.weight_decay = opts.weight_decay;
   s.amsgrad = opts.amsgrad;
   s.maximize = opts.maximize;
-  s.decoupled_weight_decay = decoupled_weight_decay;
+  s.decoupled_weight_decay = opts.decoupled_weight_decay;
   s.formula =
       compat::kAdamLerpsExpAvg ? kernels::AdamFormula::kTorch2 : kernels::AdamFormula::kTorch1;
   std::vector<kernels::AdamScalars> per(n, s);
@@ -351,11 +362,9 @@ void FunctionalSGD::load_state(const std::vector<ParamState>& state) {
   momentum_buffers_ = std::move(bufs);
 }
 
-FunctionalAdam::FunctionalAdam(std::vector<at::Tensor> params, AdamOptions opts,
-                               bool decoupled_weight_decay)
+FunctionalAdam::FunctionalAdam(std::vector<at::Tensor> params, AdamOptions opts)
     : params_(std::move(params)),
       opts_(opts),
-      decoupled_(decoupled_weight_decay),
       exp_avgs_(params_.size()),
       exp_avg_sqs_(params_.size()),
       max_exp_avg_sqs_(params_.size()),
@@ -369,7 +378,7 @@ void FunctionalAdam::step(const std::vector<at::Tensor>& grads) {
   std::vector<at::Tensor> m = pick(exp_avgs_, idx), v = pick(exp_avg_sqs_, idx),
                           vmax = pick(max_exp_avg_sqs_, idx);
   std::vector<int64_t> steps = pick(steps_, idx);
-  adam_step(pick(params_, idx), pick(grads, idx), m, v, vmax, steps, opts_, decoupled_);
+  adam_step(pick(params_, idx), pick(grads, idx), m, v, vmax, steps, opts_);
   put(exp_avgs_, idx, m);
   put(exp_avg_sqs_, idx, v);
   put(max_exp_avg_sqs_, idx, vmax);

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <variant>
 
 namespace ddpx {
 namespace optim {
@@ -37,33 +39,6 @@ std::shared_ptr<RpcLocalOptimizer> wrap(std::string kind, std::shared_ptr<F> f) 
       [f] { return f->state(); });
 }
 
-// Reads the arguments one by one and refuses any left over (a misspelt or unsupported one).
-class ArgReader {
- public:
-  ArgReader(const std::string& kind, const OptimizerArgs& args) : kind_(kind), left_(args) {}
-  void operator()(const std::string& name, double& out) {
-    auto it = left_.find(name);
-    if (it == left_.end()) return;
-    out = it->second;
-    left_.erase(it);
-  }
-  void operator()(const std::string& name, bool& out) {
-    double v = out ? 1 : 0;
-    (*this)(name, v);
-    TORCH_CHECK_VALUE(v == 0 || v == 1, "DistributedOptimizer (", kind_, "): ", name,
-                      " must be a boolean, got ", v);
-    out = v != 0;
-  }
-  void done() const {
-    TORCH_CHECK_VALUE(left_.empty(), "DistributedOptimizer (", kind_, "): unsupported argument '",
-                      left_.empty() ? "" : left_.begin()->first, "' for the C++ optimizer");
-  }
-
- private:
-  std::string kind_;
-  OptimizerArgs left_;
-};
-
 }  // namespace
 
 RpcLocalOptimizer::RpcLocalOptimizer(std::string kind, std::vector<at::Tensor> params, StepFn step,
@@ -91,42 +66,25 @@ void RpcLocalOptimizer::step(const c10::Dict<at::Tensor, at::Tensor>& grads) {
   }
 }
 
-std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(const std::string& kind,
-                                                            std::vector<at::Tensor> params,
-                                                            const OptimizerArgs& args) {
-  // Options start from torch's defaults (SGD: lr 1e-3, torch's own since 2.x; 1.13 requires
-  // it and the Python class always passes it), take `args` field by field and refuse the rest.
-  auto build = [&](auto options, auto make) {
-    ArgReader read(kind, args);
-    options.for_each_field(read);
-    read.done();
-    options.validate();
-    return wrap(kind, make(std::move(params), options));
-  };
-  if (kind == "sgd") {
-    return build(SGDOptions(), [](std::vector<at::Tensor> p, const SGDOptions& o) {
-      return std::make_shared<FunctionalSGD>(std::move(p), o);
-    });
-  }
-  if (kind == "adam" || kind == "adamw") {
-    const bool adamw = kind == "adamw";
-    return build(adamw ? AdamOptions::adamw_defaults() : AdamOptions(),
-                 [adamw](std::vector<at::Tensor> p, const AdamOptions& o) {
-                   return std::make_shared<FunctionalAdam>(std::move(p), o, adamw);
-                 });
-  }
-  if (kind == "adagrad") {
-    return build(AdagradOptions(), [](std::vector<at::Tensor> p, const AdagradOptions& o) {
-      return std::make_shared<FunctionalAdagrad>(std::move(p), o);
-    });
-  }
-  if (kind == "rmsprop") {
-    return build(RMSpropOptions(), [](std::vector<at::Tensor> p, const RMSpropOptions& o) {
-      return std::make_shared<FunctionalRMSprop>(std::move(p), o);
-    });
-  }
-  TORCH_CHECK_VALUE(false, "DistributedOptimizer: no C++ optimizer '", kind,
-                    "' (sgd, adam, adamw, adagrad, rmsprop)");
+std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(std::vector<at::Tensor> params,
+                                                            const OptimizerOptions& options) {
+  // The functional optimizers' constructors validate the options (torch's ValueErrors).
+  const char* kind = optimizer_kind(options);
+  return std::visit(
+      [&](const auto& o) -> std::shared_ptr<RpcLocalOptimizer> {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, SGDOptions>) {
+          return wrap(kind, std::make_shared<FunctionalSGD>(std::move(params), o));
+        } else if constexpr (std::is_same_v<O, AdamOptions>) {
+          return wrap(kind, std::make_shared<FunctionalAdam>(std::move(params), o));
+        } else if constexpr (std::is_same_v<O, AdagradOptions>) {
+          return wrap(kind, std::make_shared<FunctionalAdagrad>(std::move(params), o));
+        } else {
+          static_assert(std::is_same_v<O, RMSpropOptions>, "an optimizer without a C++ form");
+          return wrap(kind, std::make_shared<FunctionalRMSprop>(std::move(params), o));
+        }
+      },
+      options);
 }
 
 int64_t register_rpc_local_optimizer(std::shared_ptr<RpcLocalOptimizer> optimizer) {

@@ -725,8 +725,7 @@ ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& grou
       std::vector<at::Tensor> m2 = select(group.exp_avg_sqs, picks[g]);
       std::vector<at::Tensor> mx;
       if (group.options.amsgrad) mx = select(group.max_exp_avg_sqs, picks[g]);
-      adam_step(params, select(group.grads, picks[g]), m1, m2, mx, steps, group.options,
-                group.decoupled_weight_decay);
+      adam_step(params, select(group.grads, picks[g]), m1, m2, mx, steps, group.options);
       for (size_t k = 0; k < picks[g].size(); ++k) {
         const size_t j = picks[g][k];
         group.exp_avgs[j] = m1[k];

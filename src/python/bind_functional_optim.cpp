@@ -10,6 +10,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bind_utils.h"
@@ -18,54 +20,110 @@ namespace ddpx {
 namespace python {
 namespace {
 
-optim::SGDOptions sgd_options(double lr, double momentum, double dampening, double weight_decay,
-                              bool nesterov, bool maximize) {
-  optim::SGDOptions o;
-  o.lr = lr;
-  o.momentum = momentum;
-  o.dampening = dampening;
-  o.weight_decay = weight_decay;
-  o.nesterov = nesterov;
-  o.maximize = maximize;
+// ---- the options structs, bound generically over their for_each_field ---------------------
+
+template <typename O>
+const char* options_name() {
+  if constexpr (std::is_same_v<O, optim::SGDOptions>) return "SGDOptions";
+  if constexpr (std::is_same_v<O, optim::AdamOptions>) return "AdamOptions";
+  if constexpr (std::is_same_v<O, optim::AdagradOptions>) return "AdagradOptions";
+  if constexpr (std::is_same_v<O, optim::RMSpropOptions>) return "RMSpropOptions";
+}
+
+// The fields as a dict, named as torch's constructor arguments (Adam's betas as beta1, beta2).
+template <typename O>
+py::dict options_fields(O o) {
+  py::dict d;
+  o.for_each_field([&](const char* name, auto& field) { d[name] = field; });
+  return d;
+}
+
+// Options from keyword arguments named as the fields (Adam also takes torch's betas pair), over
+// `o`; an unknown name or a value of the wrong type is torch's TypeError, a value out of range
+// its ValueError (validate()). What is built is valid: the structs are immutable in Python.
+template <typename O>
+O options_from(O o, const py::dict& kwargs) {
+  py::dict left(kwargs);
+  if constexpr (std::is_same_v<O, optim::AdamOptions>) {
+    if (left.contains("betas")) {
+      const auto betas = left["betas"].cast<std::pair<double, double>>();
+      o.beta1 = betas.first;
+      o.beta2 = betas.second;
+      PyDict_DelItemString(left.ptr(), "betas");
+    }
+  }
+  o.for_each_field([&](const char* name, auto& field) {
+    if (!left.contains(name)) return;
+    const py::object value = left[name];
+    try {
+      field = value.cast<std::decay_t<decltype(field)>>();
+    } catch (const py::cast_error&) {
+      throw py::type_error(
+          std::string(options_name<O>()) + ": " + name + " must be a " +
+          (std::is_same_v<std::decay_t<decltype(field)>, bool> ? "bool" : "number") + ", got " +
+          Py_TYPE(value.ptr())->tp_name);
+    }
+    PyDict_DelItemString(left.ptr(), name);
+  });
+  if (!left.empty()) {
+    throw py::type_error(std::string(options_name<O>()) +
+                         "() got an unexpected keyword argument '" +
+                         std::string(py::str(left.begin()->first)) + "'");
+  }
+  o.validate();
   return o;
 }
 
-optim::AdamOptions adam_options(double lr, const std::pair<double, double>& betas, double eps,
-                                double weight_decay, bool amsgrad, bool maximize) {
-  optim::AdamOptions o;
-  o.lr = lr;
-  o.beta1 = betas.first;
-  o.beta2 = betas.second;
-  o.eps = eps;
-  o.weight_decay = weight_decay;
-  o.amsgrad = amsgrad;
-  o.maximize = maximize;
-  return o;
+// A step's or constructor's options: `options=<O>` alone, or the fields as keywords.
+template <typename O>
+O options_arg(const py::kwargs& kwargs) {
+  if (kwargs.contains("options")) {
+    if (kwargs.size() != 1) {
+      throw py::type_error("give options= or the options' fields as keywords, not both");
+    }
+    const py::object options = kwargs["options"];
+    if (!py::isinstance<O>(options)) {
+      throw py::type_error(std::string("options must be a ") + options_name<O>() + ", got " +
+                           Py_TYPE(options.ptr())->tp_name);
+    }
+    return options.cast<O>();
+  }
+  return options_from(O(), kwargs);
 }
 
-optim::AdagradOptions adagrad_options(double lr, double lr_decay, double weight_decay,
-                                      double initial_accumulator_value, double eps, bool maximize) {
-  optim::AdagradOptions o;
-  o.lr = lr;
-  o.lr_decay = lr_decay;
-  o.weight_decay = weight_decay;
-  o.initial_accumulator_value = initial_accumulator_value;
-  o.eps = eps;
-  o.maximize = maximize;
-  return o;
-}
-
-optim::RMSpropOptions rmsprop_options(double lr, double alpha, double eps, double weight_decay,
-                                      double momentum, bool centered, bool maximize) {
-  optim::RMSpropOptions o;
-  o.lr = lr;
-  o.alpha = alpha;
-  o.eps = eps;
-  o.weight_decay = weight_decay;
-  o.momentum = momentum;
-  o.centered = centered;
-  o.maximize = maximize;
-  return o;
+template <typename O>
+void bind_options(py::module& m, const char* doc) {
+  py::class_<O> cls(m, options_name<O>(), doc);
+  cls.def(py::init([](const py::kwargs& kwargs) { return options_from(O(), kwargs); }))
+      .def("_asdict", &options_fields<O>, "The fields as a dict.")
+      .def("__eq__",
+           [](const O& a, const O& b) { return options_fields(a).equal(options_fields(b)); })
+      .def("__repr__",
+           [](const O& o) {
+             std::string out = std::string(options_name<O>()) + "(";
+             bool first = true;
+             for (const auto& kv : options_fields(o)) {
+               out += std::string(first ? "" : ", ") + std::string(py::str(kv.first)) + "=" +
+                      std::string(py::repr(kv.second));
+               first = false;
+             }
+             return out + ")";
+           })
+      .def(py::pickle([](const O& o) { return options_fields(o); },
+                      [](const py::dict& d) { return options_from(O(), d); }));
+  // One read-only property per field: options are validated once, when built.
+  O defaults;
+  defaults.for_each_field([&](const char* name, auto&) {
+    const std::string key = name;
+    cls.def_property_readonly(name, [key](const O& o) -> py::object {
+      return options_fields(o)[key.c_str()];  // a new reference, not an accessor into a temporary
+    });
+  });
+  if constexpr (std::is_same_v<O, optim::AdamOptions>) {
+    cls.def_property_readonly(
+        "betas", [](const O& o) { return py::make_tuple(o.beta1, o.beta2); },
+        "torch's betas: (beta1, beta2).");
+  }
 }
 
 // Per-parameter state dicts from Python: tensor values as they are, a number (torch 1.13's
@@ -100,94 +158,119 @@ std::vector<optim::ParamState> param_states(const py::handle& seq) {
   return out;
 }
 
+// Binds the step(grads) / state() of a functional optimizer class.
+template <typename F>
+void bind_functional(py::class_<F>& cls) {
+  cls.def(
+         "step",
+         [](F& self, const py::object& grads) {
+           const auto g = tensor_list(grads, "grads");
+           py::gil_scoped_release no_gil;
+           self.step(g);
+         },
+         py::arg("grads"), "Steps the parameters whose gradient is not None.")
+      .def_property_readonly("options", &F::options);
+}
+
 }  // namespace
 
 void bind_functional_optim(py::module& m) {
+  bind_options<optim::SGDOptions>(
+      m,
+      "torch.optim.SGD's hyper-parameters: SGDOptions(lr=1e-3, momentum=0, dampening=0, "
+      "weight_decay=0, nesterov=False, maximize=False). Validated when built (torch's "
+      "ValueErrors); immutable; picklable.");
+  bind_options<optim::AdamOptions>(
+      m,
+      "torch.optim.Adam's hyper-parameters, AdamW's with decoupled_weight_decay=True: "
+      "AdamOptions(lr=1e-3, betas=(0.9, 0.999) or beta1=, beta2=, eps=1e-8, weight_decay=0, "
+      "amsgrad=False, maximize=False, decoupled_weight_decay=False). Validated when built "
+      "(torch's ValueErrors); immutable; picklable.");
+  bind_options<optim::AdagradOptions>(
+      m,
+      "torch.optim.Adagrad's hyper-parameters: AdagradOptions(lr=1e-2, lr_decay=0, "
+      "weight_decay=0, initial_accumulator_value=0, eps=1e-10, maximize=False). Validated "
+      "when built (torch's ValueErrors); immutable; picklable.");
+  bind_options<optim::RMSpropOptions>(
+      m,
+      "torch.optim.RMSprop's hyper-parameters: RMSpropOptions(lr=1e-2, alpha=0.99, eps=1e-8, "
+      "weight_decay=0, momentum=0, centered=False, maximize=False). Validated when built "
+      "(torch's ValueErrors); immutable; picklable.");
+
   m.def(
       "sgd_step",
       [](const py::object& params, const py::object& grads, const py::object& momentum_buffers,
-         double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-         bool maximize) {
+         const py::kwargs& kwargs) {
         const auto p = tensor_list(params, "params");
         const auto g = tensor_list(grads, "grads");
         auto bufs = tensor_list(momentum_buffers, "momentum_buffers");
-        const auto opts = sgd_options(lr, momentum, dampening, weight_decay, nesterov, maximize);
+        const auto opts = options_arg<optim::SGDOptions>(kwargs);
         {
           py::gil_scoped_release no_gil;
           optim::sgd_step(p, g, bufs, opts);
         }
         return to_py(bufs);
       },
-      py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::kw_only(),
-      py::arg("lr") = 1e-3, py::arg("momentum") = 0.0, py::arg("dampening") = 0.0,
-      py::arg("weight_decay") = 0.0, py::arg("nesterov") = false, py::arg("maximize") = false,
-      "One fused SGD step of every parameter (torch.optim.SGD's formulas). momentum_buffers: "
-      "one entry per parameter, None before its first step. Returns the momentum buffers.");
+      py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
+      "sgd_step(params, grads, momentum_buffers, **SGDOptions fields or options=SGDOptions): one "
+      "fused SGD step of every parameter (torch.optim.SGD's formulas). momentum_buffers: one "
+      "entry per parameter, None before its first step. Returns the momentum buffers.");
   m.def(
       "adam_step",
       [](const py::object& params, const py::object& grads, const py::object& exp_avgs,
          const py::object& exp_avg_sqs, const py::object& max_exp_avg_sqs,
-         std::vector<int64_t> steps, double lr, std::pair<double, double> betas, double eps,
-         double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay) {
+         std::vector<int64_t> steps, const py::kwargs& kwargs) {
         const auto p = tensor_list(params, "params");
         const auto g = tensor_list(grads, "grads");
         auto m1 = tensor_list(exp_avgs, "exp_avgs");
         auto m2 = tensor_list(exp_avg_sqs, "exp_avg_sqs");
         auto mx = tensor_list(max_exp_avg_sqs, "max_exp_avg_sqs");
-        const auto opts = adam_options(lr, betas, eps, weight_decay, amsgrad, maximize);
+        const auto opts = options_arg<optim::AdamOptions>(kwargs);
         {
           py::gil_scoped_release no_gil;
-          optim::adam_step(p, g, m1, m2, mx, steps, opts, decoupled_weight_decay);
+          optim::adam_step(p, g, m1, m2, mx, steps, opts);
         }
         return py::make_tuple(to_py(m1), to_py(m2), to_py(mx), steps);
       },
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-      py::arg("max_exp_avg_sqs"), py::arg("steps"), py::kw_only(), py::arg("lr") = 1e-3,
-      py::arg("betas") = std::make_pair(0.9, 0.999), py::arg("eps") = 1e-8,
-      py::arg("weight_decay") = 0.0, py::arg("amsgrad") = false, py::arg("maximize") = false,
-      py::arg("decoupled_weight_decay") = false,
-      "One fused Adam step (AdamW's with decoupled_weight_decay=True) of every parameter "
-      "(torch.optim.Adam's formulas). State lists: one entry per parameter, None before its "
-      "first step (max_exp_avg_sqs may be [] without amsgrad); steps: per-parameter step counts. "
-      "Returns (exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) after the step.");
-
+      py::arg("max_exp_avg_sqs"), py::arg("steps"),
+      "adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **AdamOptions "
+      "fields or options=AdamOptions): one fused Adam step (AdamW's with "
+      "decoupled_weight_decay=True) of every parameter (torch.optim.Adam's formulas). State "
+      "lists: one entry per parameter, None before its first step (max_exp_avg_sqs may be [] "
+      "without amsgrad); steps: per-parameter step counts. Returns (exp_avgs, exp_avg_sqs, "
+      "max_exp_avg_sqs, steps) after the step.");
   m.def(
       "adagrad_step",
       [](const py::object& params, const py::object& grads, const py::object& state_sums,
-         std::vector<int64_t> steps, double lr, double lr_decay, double weight_decay,
-         double initial_accumulator_value, double eps, bool maximize) {
+         std::vector<int64_t> steps, const py::kwargs& kwargs) {
         const auto p = tensor_list(params, "params");
         const auto g = tensor_list(grads, "grads");
         auto sums = tensor_list(state_sums, "state_sums");
-        const auto opts =
-            adagrad_options(lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize);
+        const auto opts = options_arg<optim::AdagradOptions>(kwargs);
         {
           py::gil_scoped_release no_gil;
           optim::adagrad_step(p, g, sums, steps, opts);
         }
         return py::make_tuple(to_py(sums), steps);
       },
-      py::arg("params"), py::arg("grads"), py::arg("state_sums"), py::arg("steps"), py::kw_only(),
-      py::arg("lr") = 1e-2, py::arg("lr_decay") = 0.0, py::arg("weight_decay") = 0.0,
-      py::arg("initial_accumulator_value") = 0.0, py::arg("eps") = 1e-10,
-      py::arg("maximize") = false,
-      "One fused Adagrad step of every parameter (torch.optim.Adagrad's formulas, dense "
-      "gradients). state_sums: one entry per parameter, None before its first step (created "
-      "filled with initial_accumulator_value); steps: per-parameter step counts. Returns "
-      "(state_sums, steps) after the step.");
+      py::arg("params"), py::arg("grads"), py::arg("state_sums"), py::arg("steps"),
+      "adagrad_step(params, grads, state_sums, steps, **AdagradOptions fields or "
+      "options=AdagradOptions): one fused Adagrad step of every parameter (torch.optim.Adagrad's "
+      "formulas, dense gradients). state_sums: one entry per parameter, None before its first "
+      "step (created filled with initial_accumulator_value); steps: per-parameter step counts. "
+      "Returns (state_sums, steps) after the step.");
   m.def(
       "rmsprop_step",
       [](const py::object& params, const py::object& grads, const py::object& square_avgs,
          const py::object& grad_avgs, const py::object& momentum_buffers,
-         std::vector<int64_t> steps, double lr, double alpha, double eps, double weight_decay,
-         double momentum, bool centered, bool maximize) {
+         std::vector<int64_t> steps, const py::kwargs& kwargs) {
         const auto p = tensor_list(params, "params");
         const auto g = tensor_list(grads, "grads");
         auto sq = tensor_list(square_avgs, "square_avgs");
         auto ga = tensor_list(grad_avgs, "grad_avgs");
         auto bufs = tensor_list(momentum_buffers, "momentum_buffers");
-        const auto opts =
-            rmsprop_options(lr, alpha, eps, weight_decay, momentum, centered, maximize);
+        const auto opts = options_arg<optim::RMSpropOptions>(kwargs);
         {
           py::gil_scoped_release no_gil;
           optim::rmsprop_step(p, g, sq, ga, bufs, steps, opts);
@@ -195,81 +278,53 @@ void bind_functional_optim(py::module& m) {
         return py::make_tuple(to_py(sq), to_py(ga), to_py(bufs), steps);
       },
       py::arg("params"), py::arg("grads"), py::arg("square_avgs"), py::arg("grad_avgs"),
-      py::arg("momentum_buffers"), py::arg("steps"), py::kw_only(), py::arg("lr") = 1e-2,
-      py::arg("alpha") = 0.99, py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
-      py::arg("momentum") = 0.0, py::arg("centered") = false, py::arg("maximize") = false,
-      "One fused RMSprop step of every parameter (torch.optim.RMSprop's formulas). State lists: "
-      "one entry per parameter, None before its first step (grad_avgs may be [] unless centered, "
-      "momentum_buffers [] without momentum); steps: per-parameter step counts. Returns "
-      "(square_avgs, grad_avgs, momentum_buffers, steps) after the step.");
+      py::arg("momentum_buffers"), py::arg("steps"),
+      "rmsprop_step(params, grads, square_avgs, grad_avgs, momentum_buffers, steps, "
+      "**RMSpropOptions fields or options=RMSpropOptions): one fused RMSprop step of every "
+      "parameter (torch.optim.RMSprop's formulas). State lists: one entry per parameter, None "
+      "before its first step (grad_avgs may be [] unless centered, momentum_buffers [] without "
+      "momentum); steps: per-parameter step counts. Returns (square_avgs, grad_avgs, "
+      "momentum_buffers, steps) after the step.");
 
-  py::class_<optim::FunctionalSGD>(m, "FunctionalSGD")
-      .def(py::init([](const py::object& params, double lr, double momentum, double dampening,
-                       double weight_decay, bool nesterov, bool maximize) {
-             return optim::FunctionalSGD(
-                 tensor_list(params, "params"),
-                 sgd_options(lr, momentum, dampening, weight_decay, nesterov, maximize));
-           }),
-           py::arg("params"), py::kw_only(), py::arg("lr") = 1e-3, py::arg("momentum") = 0.0,
-           py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0, py::arg("nesterov") = false,
-           py::arg("maximize") = false)
-      .def(
-          "step",
-          [](optim::FunctionalSGD& self, const py::object& grads) {
-            const auto g = tensor_list(grads, "grads");
-            py::gil_scoped_release no_gil;
-            self.step(g);
-          },
-          py::arg("grads"), "Steps the parameters whose gradient is not None.")
+  py::class_<optim::FunctionalSGD> sgd(
+      m, "FunctionalSGD",
+      "FunctionalSGD(params, **SGDOptions fields or options=SGDOptions): SGD over a fixed list "
+      "of parameters, holding their state.");
+  sgd.def(py::init([](const py::object& params, const py::kwargs& kwargs) {
+            return optim::FunctionalSGD(tensor_list(params, "params"),
+                                        options_arg<optim::SGDOptions>(kwargs));
+          }),
+          py::arg("params"))
       .def("state", &optim::FunctionalSGD::state,
            "Per-parameter state in torch.optim.SGD's layout ({'momentum_buffer': t} or {}).")
       .def("load_state", &optim::FunctionalSGD::load_state, py::arg("state"));
+  bind_functional(sgd);
 
-  py::class_<optim::FunctionalAdam>(m, "FunctionalAdam")
-      .def(py::init([](const py::object& params, double lr, std::pair<double, double> betas,
-                       double eps, double weight_decay, bool amsgrad, bool maximize,
-                       bool decoupled_weight_decay) {
-             return optim::FunctionalAdam(
-                 tensor_list(params, "params"),
-                 adam_options(lr, betas, eps, weight_decay, amsgrad, maximize),
-                 decoupled_weight_decay);
+  py::class_<optim::FunctionalAdam> adam(
+      m, "FunctionalAdam",
+      "FunctionalAdam(params, **AdamOptions fields or options=AdamOptions): Adam (AdamW with "
+      "decoupled_weight_decay=True) over a fixed list of parameters, holding their state.");
+  adam.def(py::init([](const py::object& params, const py::kwargs& kwargs) {
+             return optim::FunctionalAdam(tensor_list(params, "params"),
+                                          options_arg<optim::AdamOptions>(kwargs));
            }),
-           py::arg("params"), py::kw_only(), py::arg("lr") = 1e-3,
-           py::arg("betas") = std::make_pair(0.9, 0.999), py::arg("eps") = 1e-8,
-           py::arg("weight_decay") = 0.0, py::arg("amsgrad") = false, py::arg("maximize") = false,
-           py::arg("decoupled_weight_decay") = false)
-      .def(
-          "step",
-          [](optim::FunctionalAdam& self, const py::object& grads) {
-            const auto g = tensor_list(grads, "grads");
-            py::gil_scoped_release no_gil;
-            self.step(g);
-          },
-          py::arg("grads"), "Steps the parameters whose gradient is not None.")
+           py::arg("params"))
       .def("state", &optim::FunctionalAdam::state,
            "Per-parameter state in torch.optim.Adam's layout (step, exp_avg, exp_avg_sq, "
            "max_exp_avg_sq with amsgrad; {} before a parameter's first step).")
       .def("load_state", &optim::FunctionalAdam::load_state, py::arg("state"));
+  bind_functional(adam);
 
-  py::class_<optim::FunctionalAdagrad>(m, "FunctionalAdagrad")
-      .def(py::init([](const py::object& params, double lr, double lr_decay, double weight_decay,
-                       double initial_accumulator_value, double eps, bool maximize) {
-             return optim::FunctionalAdagrad(
-                 tensor_list(params, "params"),
-                 adagrad_options(lr, lr_decay, weight_decay, initial_accumulator_value, eps,
-                                 maximize));
+  py::class_<optim::FunctionalAdagrad> adagrad(
+      m, "FunctionalAdagrad",
+      "FunctionalAdagrad(params, **AdagradOptions fields or options=AdagradOptions): Adagrad "
+      "over a fixed list of parameters, holding their state.");
+  adagrad
+      .def(py::init([](const py::object& params, const py::kwargs& kwargs) {
+             return optim::FunctionalAdagrad(tensor_list(params, "params"),
+                                             options_arg<optim::AdagradOptions>(kwargs));
            }),
-           py::arg("params"), py::kw_only(), py::arg("lr") = 1e-2, py::arg("lr_decay") = 0.0,
-           py::arg("weight_decay") = 0.0, py::arg("initial_accumulator_value") = 0.0,
-           py::arg("eps") = 1e-10, py::arg("maximize") = false)
-      .def(
-          "step",
-          [](optim::FunctionalAdagrad& self, const py::object& grads) {
-            const auto g = tensor_list(grads, "grads");
-            py::gil_scoped_release no_gil;
-            self.step(g);
-          },
-          py::arg("grads"), "Steps the parameters whose gradient is not None.")
+           py::arg("params"))
       .def("state", &optim::FunctionalAdagrad::state,
            "Per-parameter state in torch.optim.Adagrad's layout ({'step': t, 'sum': t} for every "
            "parameter, created in the constructor as torch does).")
@@ -279,25 +334,18 @@ void bind_functional_optim(py::module& m) {
             self.load_state(param_states(state));
           },
           py::arg("state"));
+  bind_functional(adagrad);
 
-  py::class_<optim::FunctionalRMSprop>(m, "FunctionalRMSprop")
-      .def(py::init([](const py::object& params, double lr, double alpha, double eps,
-                       double weight_decay, double momentum, bool centered, bool maximize) {
-             return optim::FunctionalRMSprop(
-                 tensor_list(params, "params"),
-                 rmsprop_options(lr, alpha, eps, weight_decay, momentum, centered, maximize));
+  py::class_<optim::FunctionalRMSprop> rmsprop(
+      m, "FunctionalRMSprop",
+      "FunctionalRMSprop(params, **RMSpropOptions fields or options=RMSpropOptions): RMSprop "
+      "over a fixed list of parameters, holding their state.");
+  rmsprop
+      .def(py::init([](const py::object& params, const py::kwargs& kwargs) {
+             return optim::FunctionalRMSprop(tensor_list(params, "params"),
+                                             options_arg<optim::RMSpropOptions>(kwargs));
            }),
-           py::arg("params"), py::kw_only(), py::arg("lr") = 1e-2, py::arg("alpha") = 0.99,
-           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("momentum") = 0.0,
-           py::arg("centered") = false, py::arg("maximize") = false)
-      .def(
-          "step",
-          [](optim::FunctionalRMSprop& self, const py::object& grads) {
-            const auto g = tensor_list(grads, "grads");
-            py::gil_scoped_release no_gil;
-            self.step(g);
-          },
-          py::arg("grads"), "Steps the parameters whose gradient is not None.")
+           py::arg("params"))
       .def("state", &optim::FunctionalRMSprop::state,
            "Per-parameter state in torch.optim.RMSprop's layout (step, square_avg, "
            "momentum_buffer with momentum, grad_avg when centered; {} before a parameter's "
@@ -310,6 +358,7 @@ void bind_functional_optim(py::module& m) {
           py::arg("state"),
           "Loads state() or torch.optim.RMSprop's per-parameter state (a number step, as torch "
           "1.13 keeps it, is taken too).");
+  bind_functional(rmsprop);
 }
 
 }  // namespace python

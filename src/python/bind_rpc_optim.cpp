@@ -90,15 +90,14 @@ torch::jit::RegisterOperators register_rpc_optimizer_step(
 void bind_rpc_optim(py::module& m) {
   m.def(
       "_rpc_optimizer_new",
-      [](const std::string& kind, const py::object& params, const optim::OptimizerArgs& args) {
-        auto optimizer = optim::make_rpc_local_optimizer(kind, tensor_list(params, "params"), args);
+      [](const py::object& params, const optim::OptimizerOptions& options) {
+        auto optimizer = optim::make_rpc_local_optimizer(tensor_list(params, "params"), options);
         return optim::register_rpc_local_optimizer(std::move(optimizer));
       },
-      py::arg("kind"), py::arg("params"), py::arg("args"),
-      "Builds this worker's C++ optimizer `kind` ('sgd', 'adam', 'adamw', 'adagrad', "
-      "'rmsprop') over `params` with "
-      "torch's constructor arguments `args` (a dict of floats; betas as beta1/beta2) and "
-      "registers it; returns its id.");
+      py::arg("params"), py::arg("options"),
+      "Builds this worker's C++ optimizer over `params`, of the kind `options` stand for "
+      "(SGDOptions, AdamOptions, AdagradOptions, RMSpropOptions), registers it and returns its "
+      "id.");
   m.def("_rpc_optimizer_delete", &optim::unregister_rpc_local_optimizer, py::arg("optimizer_id"));
   m.def(
       "_rpc_optimizer_step",

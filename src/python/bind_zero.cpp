@@ -1,6 +1,7 @@
 // Bindings of the ZeRO engine (ddpx/optim/zero.h): the partition, ZeroShards (bucket views, the
-// parameter exchange, the fused SGD/Adam steps, the state gather). ddpx/optim.py's
-// ZeroRedundancyOptimizer is the Python class over it.
+// parameter exchange, the fused SGD/Adam steps over ZeroSGDGroup / ZeroAdamGroup, the state
+// gather). ddpx/optim/zero_redundancy_optimizer.py's ZeroRedundancyOptimizer is the Python class
+// over it.
 #include <ddpx/optim/zero.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -8,6 +9,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bind_utils.h"
@@ -25,51 +27,78 @@ py::dict stats_dict(const optim::ZeroExchangeStats& s) {
   return d;
 }
 
-std::vector<int64_t> index_list(const py::handle& obj) { return obj.cast<std::vector<int64_t>>(); }
-
-// (params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, maximize)
-optim::ZeroSGDGroup sgd_group(const py::handle& obj) {
-  const auto t = py::reinterpret_borrow<py::sequence>(obj);
-  if (t.size() != 9) throw py::value_error("step_sgd: a group is a 9-tuple");
-  optim::ZeroSGDGroup g;
-  g.params = index_list(t[0]);
-  g.grads = tensor_list(t[1], "grads");
-  g.momentum_buffers = tensor_list(t[2], "momentum_buffers");
-  g.options.lr = t[3].cast<double>();
-  g.options.momentum = t[4].cast<double>();
-  g.options.dampening = t[5].cast<double>();
-  g.options.weight_decay = t[6].cast<double>();
-  g.options.nesterov = t[7].cast<bool>();
-  g.options.maximize = t[8].cast<bool>();
-  return g;
+// The groups of a fused step: step_sgd / step_adam update the state lists of the Python objects
+// in place (a state created on this step appears there).
+template <typename G>
+std::vector<G> groups_arg(const py::list& groups) {
+  std::vector<G> out;
+  for (const py::handle& g : groups) out.push_back(g.cast<G>());
+  return out;
 }
 
-// (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
-//  weight_decay, amsgrad, maximize, decoupled_weight_decay)
-optim::ZeroAdamGroup adam_group(const py::handle& obj) {
-  const auto t = py::reinterpret_borrow<py::sequence>(obj);
-  if (t.size() != 14) throw py::value_error("step_adam: a group is a 14-tuple");
-  optim::ZeroAdamGroup g;
-  g.params = index_list(t[0]);
-  g.grads = tensor_list(t[1], "grads");
-  g.exp_avgs = tensor_list(t[2], "exp_avgs");
-  g.exp_avg_sqs = tensor_list(t[3], "exp_avg_sqs");
-  g.max_exp_avg_sqs = tensor_list(t[4], "max_exp_avg_sqs");
-  g.steps = tensor_list(t[5], "steps");
-  g.options.lr = t[6].cast<double>();
-  g.options.beta1 = t[7].cast<double>();
-  g.options.beta2 = t[8].cast<double>();
-  g.options.eps = t[9].cast<double>();
-  g.options.weight_decay = t[10].cast<double>();
-  g.options.amsgrad = t[11].cast<bool>();
-  g.options.maximize = t[12].cast<bool>();
-  g.decoupled_weight_decay = t[13].cast<bool>();
-  return g;
+// A tensor-list field bound as a property: None for an undefined tensor, both ways.
+template <typename G>
+void def_tensors(py::class_<G>& cls, const char* name, std::vector<at::Tensor> G::*field) {
+  cls.def_property(
+      name, [field](const G& g) { return to_py(g.*field); },
+      [field, name](G& g, const py::object& v) { g.*field = tensor_list(v, name); });
 }
 
 }  // namespace
 
 void bind_zero(py::module& m) {
+  py::class_<optim::ZeroSGDGroup> sgd_group(
+      m, "ZeroSGDGroup",
+      "One parameter group of a fused ZeRO SGD step: the indices of the stepped parameters "
+      "(into ZeroShards' params), their gradients, their momentum buffers (None before a "
+      "parameter's first step) and the group's SGDOptions.");
+  sgd_group
+      .def(py::init([](std::vector<int64_t> params, const py::object& grads,
+                       const py::object& momentum_buffers, optim::SGDOptions options) {
+             optim::ZeroSGDGroup g;
+             g.params = std::move(params);
+             g.grads = tensor_list(grads, "grads");
+             g.momentum_buffers = tensor_list(momentum_buffers, "momentum_buffers");
+             g.options = options;
+             return g;
+           }),
+           py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
+           py::arg("options"))
+      .def_readwrite("params", &optim::ZeroSGDGroup::params)
+      .def_readwrite("options", &optim::ZeroSGDGroup::options);
+  def_tensors(sgd_group, "grads", &optim::ZeroSGDGroup::grads);
+  def_tensors(sgd_group, "momentum_buffers", &optim::ZeroSGDGroup::momentum_buffers);
+
+  py::class_<optim::ZeroAdamGroup> adam_group(
+      m, "ZeroAdamGroup",
+      "One parameter group of a fused ZeRO Adam/AdamW step: the indices of the stepped "
+      "parameters, their gradients, their state in torch's layout (created beforehand; "
+      "max_exp_avg_sqs [] without amsgrad; steps 0-dim tensors) and the group's AdamOptions.");
+  adam_group
+      .def(py::init([](std::vector<int64_t> params, const py::object& grads,
+                       const py::object& exp_avgs, const py::object& exp_avg_sqs,
+                       const py::object& max_exp_avg_sqs, const py::object& steps,
+                       optim::AdamOptions options) {
+             optim::ZeroAdamGroup g;
+             g.params = std::move(params);
+             g.grads = tensor_list(grads, "grads");
+             g.exp_avgs = tensor_list(exp_avgs, "exp_avgs");
+             g.exp_avg_sqs = tensor_list(exp_avg_sqs, "exp_avg_sqs");
+             g.max_exp_avg_sqs = tensor_list(max_exp_avg_sqs, "max_exp_avg_sqs");
+             g.steps = tensor_list(steps, "steps");
+             g.options = options;
+             return g;
+           }),
+           py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+           py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("options"))
+      .def_readwrite("params", &optim::ZeroAdamGroup::params)
+      .def_readwrite("options", &optim::ZeroAdamGroup::options);
+  def_tensors(adam_group, "grads", &optim::ZeroAdamGroup::grads);
+  def_tensors(adam_group, "exp_avgs", &optim::ZeroAdamGroup::exp_avgs);
+  def_tensors(adam_group, "exp_avg_sqs", &optim::ZeroAdamGroup::exp_avg_sqs);
+  def_tensors(adam_group, "max_exp_avg_sqs", &optim::ZeroAdamGroup::max_exp_avg_sqs);
+  def_tensors(adam_group, "steps", &optim::ZeroAdamGroup::steps);
+
   m.def("zero_partition", &optim::partition_sorted_greedy, py::arg("numels"), py::arg("world_size"),
         "torch's ZeRO partition: numels[g][i] -> the owning rank of group g's parameter i "
         "(largest first, each to the least-loaded rank; totals carried across groups).");
@@ -130,30 +159,28 @@ void bind_zero(py::module& m) {
           "step_sgd",
           [](optim::ZeroShards& self, const py::list& groups,
              const c10::optional<std::vector<int64_t>>& subset) {
-            std::vector<optim::ZeroSGDGroup> gs;
-            for (const py::handle& g : groups) gs.push_back(sgd_group(g));
+            auto gs = groups_arg<optim::ZeroSGDGroup>(groups);
             if (!optim::fused_step_supported(self, gs)) return py::object(py::none());
             optim::ZeroExchangeStats s;
             {
               py::gil_scoped_release no_gil;
               s = optim::step_sgd(self, gs, subset ? &*subset : nullptr);
             }
-            py::list bufs;
-            for (const auto& g : gs) bufs.append(to_py(g.momentum_buffers));
-            return py::object(py::make_tuple(bufs, stats_dict(s)));
+            for (size_t i = 0; i < gs.size(); ++i) {
+              groups[i].cast<optim::ZeroSGDGroup&>().momentum_buffers = gs[i].momentum_buffers;
+            }
+            return py::object(stats_dict(s));
           },
           py::arg("groups"), py::arg("subset") = py::none(),
-          "Fused SGD step of this rank's shard and exchange. groups: (param indices, grads, "
-          "momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, maximize) tuples. "
-          "Returns (momentum buffers per group, stats), or None, having done nothing, where the "
-          "kernels "
-          "do not take these tensors (then: the optimizer's own step and exchange()).")
+          "Fused SGD step of this rank's shard and exchange. groups: ZeroSGDGroup, whose "
+          "momentum_buffers take the buffers created on this step. Returns the stats, or None, "
+          "having done nothing, where the kernels do not take these tensors (then: the "
+          "optimizer's own step and exchange()).")
       .def(
           "step_adam",
           [](optim::ZeroShards& self, const py::list& groups,
              const c10::optional<std::vector<int64_t>>& subset) {
-            std::vector<optim::ZeroAdamGroup> gs;
-            for (const py::handle& g : groups) gs.push_back(adam_group(g));
+            auto gs = groups_arg<optim::ZeroAdamGroup>(groups);
             if (!optim::fused_step_supported(self, gs)) return py::object(py::none());
             optim::ZeroExchangeStats s;
             {
@@ -163,10 +190,9 @@ void bind_zero(py::module& m) {
             return py::object(stats_dict(s));
           },
           py::arg("groups"), py::arg("subset") = py::none(),
-          "Fused Adam/AdamW step of this rank's shard and exchange; state tensors (created "
-          "beforehand) are updated in place. groups: (param indices, grads, exp_avgs, "
-          "exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, amsgrad, "
-          "maximize, decoupled_weight_decay) tuples. Returns the stats, or None as step_sgd.")
+          "Fused Adam/AdamW step of this rank's shard and exchange. groups: ZeroAdamGroup, "
+          "their state tensors (created beforehand) updated in place. Returns the stats, or None "
+          "as step_sgd.")
       .def(
           "gather",
           [](const optim::ZeroShards& self, int64_t to, const py::object& tensors,

@@ -85,9 +85,10 @@ TEST_P(FunctionalOptim, AdamOneStepClosedForm) {
     o.eps = 1e-6;
     o.weight_decay = 0.1;
     o.amsgrad = true;
+    o.decoupled_weight_decay = decoupled;
     std::vector<at::Tensor> ms{m}, vs{v}, vmaxs{vmax};
     std::vector<int64_t> steps{2};
-    ddpx::optim::adam_step({p}, {g}, ms, vs, vmaxs, steps, o, decoupled);
+    ddpx::optim::adam_step({p}, {g}, ms, vs, vmaxs, steps, o);
     EXPECT_EQ(steps[0], 3);
     const at::Tensor pd = decoupled ? p0 * (1 - 0.01 * 0.1) : p0;
     const at::Tensor gd = decoupled ? g0 : g0 + 0.1 * p0;
@@ -114,7 +115,7 @@ TEST_P(FunctionalOptim, AdamFirstStepMovesByLr) {
   AdamOptions o;
   o.lr = 0.01;
   o.eps = 0;
-  ddpx::optim::adam_step({p}, {g}, ms, vs, none, steps, o, false);
+  ddpx::optim::adam_step({p}, {g}, ms, vs, none, steps, o);
   EXPECT_TRUE(at::allclose(p - p0, -0.01 * g.sign(), 1e-5, 1e-7));
   EXPECT_TRUE(at::allclose(ms[0], 0.1 * g));
 }
@@ -125,8 +126,9 @@ TEST_P(FunctionalOptim, ClassesStateRoundTrip) {
   std::vector<at::Tensor> params{rand_like_seeded({3, 3}, dt, 12), rand_like_seeded({8}, dt, 13)};
   AdamOptions o = AdamOptions::adamw_defaults();
   EXPECT_EQ(o.weight_decay, 1e-2);
+  EXPECT_TRUE(o.decoupled_weight_decay);
   o.amsgrad = true;
-  ddpx::optim::FunctionalAdam a(params, o, /*decoupled_weight_decay=*/true);
+  ddpx::optim::FunctionalAdam a(params, o);
   a.step({rand_like_seeded({3, 3}, dt, 14), at::Tensor()});
   auto st = a.state();
   ASSERT_EQ(st.size(), 2u);
@@ -136,7 +138,7 @@ TEST_P(FunctionalOptim, ClassesStateRoundTrip) {
   EXPECT_EQ(st[0].at("step").item<float>(), 1.0f);
 
   std::vector<at::Tensor> copies{params[0].clone(), params[1].clone()};
-  ddpx::optim::FunctionalAdam b(copies, o, true);
+  ddpx::optim::FunctionalAdam b(copies, o);
   b.load_state(st);
   const std::vector<at::Tensor> grads{rand_like_seeded({3, 3}, dt, 15),
                                       rand_like_seeded({8}, dt, 16)};
@@ -488,7 +490,7 @@ TEST(FunctionalOptimErrors, Tensors) {
   std::vector<at::Tensor> ms{at::zeros({4, 4})}, vs(1), none;
   std::vector<int64_t> steps{1};
   expect_error<c10::ValueError>(
-      [&] { ddpx::optim::adam_step({p}, {p}, ms, vs, none, steps, AdamOptions(), false); },
+      [&] { ddpx::optim::adam_step({p}, {p}, ms, vs, none, steps, AdamOptions()); },
       "part of its state only");
 }
 

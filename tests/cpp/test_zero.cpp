@@ -204,8 +204,9 @@ TEST(ZeroShards, FusedStepsEqualUnshardedFunctionalOptimizers) {
         ddpx::optim::AdamOptions adam_opts;
         adam_opts.lr = 0.01;
         adam_opts.amsgrad = true;
+        adam_opts.decoupled_weight_decay = true;
         ddpx::optim::FunctionalSGD ref_sgd(reference, sgd);
-        ddpx::optim::FunctionalAdam ref_adam(reference, adam_opts, true);
+        ddpx::optim::FunctionalAdam ref_adam(reference, adam_opts);
         ddpx::optim::ZeroSGDGroup sgd_group;
         ddpx::optim::ZeroAdamGroup adam_group;
         for (size_t i = 0; i < params.size(); ++i) {
@@ -220,7 +221,6 @@ TEST(ZeroShards, FusedStepsEqualUnshardedFunctionalOptimizers) {
         }
         sgd_group.options = sgd;
         adam_group.options = adam_opts;
-        adam_group.decoupled_weight_decay = true;
         for (int64_t step = 0; step < 4; ++step) {
           const auto grads = grads_for(params, step);
           sgd_group.grads.clear();

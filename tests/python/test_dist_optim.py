@@ -14,6 +14,7 @@
 * bad input: a non-RRef, a class that is not an optimizer, bad optimizer arguments, an invalid
   or finished context, an error on one owner (named in the message).
 """
+import inspect
 import os
 import sys
 import tempfile
@@ -152,6 +153,13 @@ CONFIGS = [
                                centered=True)),
     (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, maximize=True)),
 ]
+# torch's own DistributedOptimizer cannot build Adam(decoupled_weight_decay=True) (its
+# _FunctionalAdam lacks the argument: a TypeError on the owners); ddpx's runs it as AdamW, the
+# reference here.
+TORCH_EQUIVALENT = {}
+if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters:  # torch >= 2.x
+    CONFIGS.append((torch.optim.Adam, dict(lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True)))
+    TORCH_EQUIVALENT[len(CONFIGS) - 1] = (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.5))
 STEPS = 20
 
 
@@ -183,7 +191,8 @@ def _differential_rank(rank, world_size, init_file):
     out = {}
     if rank == 0:
         for i, (cls, kwargs) in enumerate(CONFIGS):
-            theirs = _train(cls, TorchDistributedOptimizer, kwargs, f"t{i}_")
+            torch_cls, torch_kwargs = TORCH_EQUIVALENT.get(i, (cls, kwargs))
+            theirs = _train(torch_cls, TorchDistributedOptimizer, torch_kwargs, f"t{i}_")
             ours = _train(cls, DistributedOptimizer, kwargs, f"d{i}_")
             out[i] = (theirs, ours)
         local = [rpc.RRef(torch.zeros(1, requires_grad=True))]

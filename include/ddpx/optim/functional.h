@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace ddpx {
@@ -45,16 +46,18 @@ struct SGDOptions {
   }
 };
 
-// torch.optim.Adam's / AdamW's hyper-parameters; validate() raises torch's ValueErrors.
+// torch.optim.Adam's hyper-parameters, AdamW's with decoupled_weight_decay (torch 2.x's AdamW is
+// Adam with that argument set); validate() raises torch's ValueErrors.
 struct AdamOptions {
   double lr = 1e-3;         // >= 0
   double beta1 = 0.9;       // in [0, 1)
   double beta2 = 0.999;     // in [0, 1)
   double eps = 1e-8;        // >= 0
-  double weight_decay = 0;  // >= 0; Adam: L2 on the gradient; AdamW: param *= 1 - lr * wd
+  double weight_decay = 0;  // >= 0; L2 on the gradient, or with decoupling param *= 1 - lr * wd
   bool amsgrad = false;     // keep and use the running maximum of exp_avg_sq
   bool maximize = false;    // ascend instead of descend
-  // torch.optim.AdamW's defaults: those above with weight_decay = 1e-2.
+  bool decoupled_weight_decay = false;  // AdamW's decay
+  // torch.optim.AdamW's defaults: those above with weight_decay = 1e-2, decoupled.
   static AdamOptions adamw_defaults();
   // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
   void validate() const;
@@ -63,6 +66,7 @@ struct AdamOptions {
   void for_each_field(F&& f) {
     f("lr", lr), f("beta1", beta1), f("beta2", beta2), f("eps", eps);
     f("weight_decay", weight_decay), f("amsgrad", amsgrad), f("maximize", maximize);
+    f("decoupled_weight_decay", decoupled_weight_decay);
   }
 };
 
@@ -104,13 +108,21 @@ struct RMSpropOptions {
   }
 };
 
+// The hyper-parameters of any optimizer with a C++ form: the type says which (AdamOptions with
+// decoupled_weight_decay is AdamW).
+using OptimizerOptions = std::variant<SGDOptions, AdamOptions, AdagradOptions, RMSpropOptions>;
+
+// The torch.optim class `options` stand for, in lower case: "sgd", "adam", "adamw", "adagrad",
+// "rmsprop".
+const char* optimizer_kind(const OptimizerOptions& options);
+
 // One SGD step of every params[i] with grads[i]. momentum_buffers must have params.size()
 // entries; with momentum, an undefined entry is created on this step as torch does (a copy of
 // the gradient after weight decay, no dampening), and the vector then holds it.
 void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
               std::vector<at::Tensor>& momentum_buffers, const SGDOptions& opts);
 
-// One Adam step (AdamW's with decoupled_weight_decay) of every params[i] with grads[i].
+// One Adam step (AdamW's with opts.decoupled_weight_decay) of every params[i] with grads[i].
 // exp_avgs, exp_avg_sqs and steps must have params.size() entries, max_exp_avg_sqs too with
 // amsgrad (it may be empty otherwise). Undefined state entries are created as zeros, as torch
 // does on a parameter's first step (their step must then be 0). steps[i] counts params[i]'s
@@ -118,7 +130,7 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                std::vector<at::Tensor>& exp_avgs, std::vector<at::Tensor>& exp_avg_sqs,
                std::vector<at::Tensor>& max_exp_avg_sqs, std::vector<int64_t>& steps,
-               const AdamOptions& opts, bool decoupled_weight_decay);
+               const AdamOptions& opts);
 
 // One Adagrad step of every params[i] with grads[i] (dense gradients only). state_sums and steps
 // must have params.size() entries. An undefined sum is created as torch.optim.Adagrad's
@@ -170,25 +182,22 @@ class FunctionalSGD {
   std::vector<bool> stepped_;
 };
 
-// Adam (decoupled_weight_decay = false) or AdamW over a fixed list of parameters; as
-// FunctionalSGD.
+// Adam or AdamW (opts.decoupled_weight_decay) over a fixed list of parameters; as FunctionalSGD.
 class FunctionalAdam {
  public:
-  // Validates `opts`; shares the storage of `params`. `decoupled_weight_decay`: AdamW's
-  // decay. step() as FunctionalSGD's; params(), options() and the flag are the constructor's;
-  // state() / load_state() copy each parameter's state in torch.optim's layout.
-  FunctionalAdam(std::vector<at::Tensor> params, AdamOptions opts, bool decoupled_weight_decay);
+  // Validates `opts`; shares the storage of `params`. step() as FunctionalSGD's; params() and
+  // options() are the constructor's; state() / load_state() copy each parameter's state in
+  // torch.optim's layout.
+  FunctionalAdam(std::vector<at::Tensor> params, AdamOptions opts);
   void step(const std::vector<at::Tensor>& grads);
   const std::vector<at::Tensor>& params() const { return params_; }
   const AdamOptions& options() const { return opts_; }
-  bool decoupled_weight_decay() const { return decoupled_; }
   std::vector<ParamState> state() const;
   void load_state(const std::vector<ParamState>& state);
 
  private:
   std::vector<at::Tensor> params_;
   AdamOptions opts_;
-  bool decoupled_;
   std::vector<at::Tensor> exp_avgs_;
   std::vector<at::Tensor> exp_avg_sqs_;
   std::vector<at::Tensor> max_exp_avg_sqs_;

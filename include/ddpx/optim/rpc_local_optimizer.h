@@ -17,7 +17,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,19 +52,10 @@ class RpcLocalOptimizer {
   StateFn state_;
 };
 
-// torch.optim's constructor arguments by name, numbers and booleans (0/1) alike: "lr",
-// "momentum", "betas" as "beta1" and "beta2", "nesterov", ...
-using OptimizerArgs = std::map<std::string, double>;
-
-// The optimizers with a C++ form, by torch.optim class name in lower case: "sgd" (lr, momentum,
-// dampening, weight_decay, nesterov, maximize), "adam" and "adamw" (lr, beta1, beta2, eps,
-// weight_decay, amsgrad, maximize), "adagrad" (lr, lr_decay, weight_decay,
-// initial_accumulator_value, eps, maximize), "rmsprop" (lr, alpha, eps, weight_decay, momentum,
-// centered, maximize). Missing arguments take torch's defaults; an unknown kind or
-// argument, or a value torch refuses, is a c10::ValueError.
-std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(const std::string& kind,
-                                                            std::vector<at::Tensor> params,
-                                                            const OptimizerArgs& args);
+// One worker's optimizer of the kind `options` stand for (SGDOptions: torch.optim.SGD,
+// AdamOptions: Adam or AdamW, ...) over `params`. Options torch refuses are a c10::ValueError.
+std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(std::vector<at::Tensor> params,
+                                                            const OptimizerOptions& options);
 
 // This process's registry: ids are unique within the process and never reused.
 int64_t register_rpc_local_optimizer(std::shared_ptr<RpcLocalOptimizer> optimizer);

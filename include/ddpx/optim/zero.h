@@ -212,8 +212,7 @@ struct ZeroAdamGroup {
   std::vector<at::Tensor> exp_avgs, exp_avg_sqs, max_exp_avg_sqs;  // max_: with amsgrad only
   // One 0-dim tensor per parameter (torch's state["step"]), incremented in place.
   std::vector<at::Tensor> steps;
-  AdamOptions options;
-  bool decoupled_weight_decay = false;  // AdamW
+  AdamOptions options;  // AdamW: options.decoupled_weight_decay
 };
 
 // With `subset` (as ZeroShards::exchange's), only those parameters are exchanged, and every

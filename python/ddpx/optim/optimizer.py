@@ -27,7 +27,7 @@ import inspect
 import threading
 import warnings
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -36,25 +36,9 @@ from torch.distributed.rpc import RRef
 
 from .. import _compat
 from .._loader import _C
+from ._options import cpp_options, has_cpp_form
 
 __all__ = ["DistributedOptimizer"]
-
-# torch.optim classes with a C++ form, and the constructor arguments each takes there.
-_NATIVE: Dict[type, Tuple[str, Tuple[str, ...]]] = {
-    torch.optim.SGD: ("sgd", ("lr", "momentum", "dampening", "weight_decay", "nesterov",
-                              "maximize")),
-    torch.optim.Adam: ("adam", ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
-    torch.optim.AdamW: ("adamw", ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
-    torch.optim.Adagrad: ("adagrad", ("lr", "lr_decay", "weight_decay",
-                                      "initial_accumulator_value", "eps", "maximize")),
-    torch.optim.RMSprop: ("rmsprop", ("lr", "alpha", "eps", "weight_decay", "momentum",
-                                      "centered", "maximize")),
-}
-# Arguments that only choose torch's implementation (the result is the same): ignored when at
-# these values; another value (fused, differentiable, capturable...) means the Python path.
-_IMPLEMENTATION_ONLY = {"foreach": (None, False, True), "fused": (None, False),
-                        "differentiable": (False,), "capturable": (False,),
-                        "decoupled_weight_decay": (False,)}
 
 _warned: set = set()
 _warn_lock = threading.Lock()
@@ -68,42 +52,20 @@ def _warn_once(key: Any, message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _native_args(optimizer_class: type, args: tuple, kwargs: dict) -> Tuple[Optional[str],
-                                                                              Dict[str, float],
-                                                                              str]:
-    """(kind, C++ arguments, "") when ``optimizer_class(params, *args, **kwargs)`` has a C++
-    form, else (None, {}, the reason). Bad arguments raise as torch's constructor would."""
-    native = _NATIVE.get(optimizer_class)
-    if native is None:
-        return None, {}, f"{optimizer_class.__qualname__} has no C++ form in ddpx"
-    kind, names = native
+def _native_options(optimizer_class: type, args: tuple, kwargs: dict) -> Tuple[Any, str]:
+    """(C++ options, "") when ``optimizer_class(params, *args, **kwargs)`` has a C++ form, else
+    (None, the reason). Bad arguments raise as torch's constructor would."""
+    if not has_cpp_form(optimizer_class):
+        return None, f"{optimizer_class.__qualname__} has no C++ form in ddpx"
     signature = inspect.signature(optimizer_class)
     try:
         bound = signature.bind(None, *args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"DistributedOptimizer: {optimizer_class.__qualname__}: {exc}") from None
-    values = dict(bound.arguments)
-    values.pop(next(iter(signature.parameters)))  # params
-    out: Dict[str, float] = {}
-    for name, value in values.items():
-        if name in _IMPLEMENTATION_ONLY:
-            if not any(value is v or value == v for v in _IMPLEMENTATION_ONLY[name]):
-                return None, {}, f"{name}={value!r} is not supported by ddpx's C++ {kind}"
-            continue
-        if name not in names:
-            return None, {}, f"argument {name!r} is not supported by ddpx's C++ {kind}"
-        if name == "betas":
-            beta1, beta2 = value
-            out["beta1"], out["beta2"] = float(beta1), float(beta2)
-        elif isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"DistributedOptimizer: {name} must be a number")
-            out[name] = float(value.item())
-        elif isinstance(value, (bool, int, float)):
-            out[name] = float(value)
-        else:
-            return None, {}, f"{name}={value!r} is not a number"
-    return kind, out, ""
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(signature.parameters)))  # params
+    return cpp_options(optimizer_class, arguments, tensors=True)
 
 
 # ---- owner side -----------------------------------------------------------------------------
@@ -111,9 +73,9 @@ class _NativeLocalOptimizer:
     """Keeps a worker's registered C++ optimizer alive as long as the trainer's RRef to it:
     deleting it (the DistributedOptimizer is gone) unregisters the optimizer."""
 
-    def __init__(self, kind: str, local_params_rref: List[RRef], args: Dict[str, float]):
+    def __init__(self, local_params_rref: List[RRef], options: Any):
         self._params = [rref.local_value() for rref in local_params_rref]
-        self.id = _C._rpc_optimizer_new(kind, self._params, args)
+        self.id = _C._rpc_optimizer_new(self._params, options)
 
     def __del__(self):
         unregister = getattr(_C, "_rpc_optimizer_delete", None)
@@ -121,8 +83,8 @@ class _NativeLocalOptimizer:
             unregister(self.id)
 
 
-def _new_native_local_optimizer(kind, local_params_rref, args):
-    local = _NativeLocalOptimizer(kind, local_params_rref, args)
+def _new_native_local_optimizer(local_params_rref, options):
+    local = _NativeLocalOptimizer(local_params_rref, options)
     return rpc.RRef(local), local.id
 
 
@@ -220,10 +182,13 @@ class DistributedOptimizer:
 
     ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad`` and ``RMSprop`` run as ddpx's C++
     functional optimizers (every argument of torch's: lr, momentum, dampening, nesterov,
-    weight_decay, betas, eps, amsgrad, lr_decay, initial_accumulator_value, alpha, centered,
-    maximize; ``foreach`` is ignored). Any other class, or an argument the C++ form lacks
-    (``fused``, ``differentiable``...), runs torch's optimizer in Python on the owners, with a
-    one-time warning.
+    weight_decay, betas, eps, amsgrad, decoupled_weight_decay, lr_decay,
+    initial_accumulator_value, alpha, centered, maximize; ``foreach`` is ignored). The arguments
+    reach the owners as ddpx's typed C++ options (``ddpx.optim._options``). Any other class, or
+    an argument the C++ form lacks (``fused``, ``differentiable``...), runs torch's optimizer in
+    Python on the owners, with a one-time warning. ``Adam(decoupled_weight_decay=True)``, which
+    torch's own class cannot build on the owners (its functional Adam lacks the argument), runs
+    as ddpx's C++ AdamW.
 
     Args:
         optimizer_class: the optimizer class to build on each worker.
@@ -243,12 +208,12 @@ class DistributedOptimizer:
                 raise TypeError(f"DistributedOptimizer: params_rref[{i}] is a "
                                 f"{type(rref).__name__}, not an RRef")
             per_worker[rref.owner()].append(rref)
-        kind, native_args, reason = _native_args(optimizer_class, args, kwargs)
-        if kind is not None:
+        if has_cpp_form(optimizer_class):
             # torch's own checks and messages for the arguments (lr required in 1.13's SGD, a
             # negative eps...), on a throwaway parameter, before any worker is involved.
             optimizer_class([torch.zeros(1, requires_grad=True)], *args, **kwargs)
-        self.is_native = kind is not None
+        options, reason = _native_options(optimizer_class, args, kwargs)
+        self.is_native = options is not None
         # torch's name for "the owners' steps avoid Python" (its TorchScript path; ddpx's C++).
         self.is_functional_optim = self.is_native
         if not self.is_native:
@@ -259,7 +224,7 @@ class DistributedOptimizer:
         for worker in owners:
             if self.is_native:
                 futures.append(rpc.rpc_async(worker, _new_native_local_optimizer,
-                                             args=(kind, per_worker[worker], native_args)))
+                                             args=(per_worker[worker], options)))
             else:
                 futures.append(rpc.rpc_async(worker, _new_python_local_optimizer,
                                              args=(optimizer_class, per_worker[worker]) + args,

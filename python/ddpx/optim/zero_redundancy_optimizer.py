@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from .. import _compat
 from .._loader import _C
+from ._options import cpp_options, is_elementwise
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -25,16 +26,6 @@ _DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 _PARTITIONS = ("sorted_greedy", "balanced")
 # Cuts of the balanced partition fall on multiples of this many elements within a parameter.
 _BALANCED_ALIGN = 32
-
-
-def _elementwise_optimizers() -> tuple:
-    """The torch.optim classes whose update of an element depends only on that element (and on
-    per-parameter scalars such as the step count): the balanced partition may split their
-    parameters. LBFGS (global line search), SparseAdam (sparse) and Adafactor (row and column
-    factors) are not."""
-    names = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
-             "RMSprop", "Rprop")
-    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
 
 
 class _ZeROJoinHook(JoinHook):
@@ -296,7 +287,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if partition not in _PARTITIONS:
             raise ValueError(f"ZeroRedundancyOptimizer: partition must be one of {_PARTITIONS}, "
                              f"got {partition!r}")
-        if partition == "balanced" and optimizer_class not in _elementwise_optimizers():
+        if partition == "balanced" and not is_elementwise(optimizer_class):
             raise ValueError(
                 "ZeroRedundancyOptimizer: partition='balanced' splits parameters between ranks, "
                 "which only an elementwise update allows (SGD, Adam, AdamW, Adagrad, Adadelta, "
@@ -615,53 +606,46 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
         tensors they cannot take (checked in C++: dtype, layout, shapes)."""
         optim = self.optim
-        kind = type(optim)
-        if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-            return False
         if _compat.optimizer_has_step_hooks(optim):
             return False
         if self._default_device.type != "cpu" and not _C.with_cuda:
             return False
+        options = []
         for group in optim.param_groups:
-            if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+            o, _ = cpp_options(type(optim), group)
+            if not isinstance(o, (_C.SGDOptions, _C.AdamOptions)):  # the fused steps ZeRO has
                 return False
-            for key, value in group.items():
-                if key != "params" and isinstance(value, torch.Tensor):
-                    return False
-        if kind is torch.optim.SGD:
-            return self._fused_sgd(subset)
-        return self._fused_adam(kind is torch.optim.AdamW, subset)
+            options.append(o)
+        if isinstance(options[0], _C.SGDOptions):
+            return self._fused_sgd(options, subset)
+        return self._fused_adam(options, subset)
 
-    def _fused_sgd(self, subset: Optional[List[int]]) -> bool:
+    def _fused_sgd(self, options: list, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
         index = self._unit_index
-        specs, stepped = [], []
-        for group in self.optim.param_groups:
+        groups, stepped = [], []
+        for group, o in zip(self.optim.param_groups, options):
             params = [p for p in group["params"] if p.grad is not None]
             stepped.append((group, params))
-            specs.append(([index[p] for p in params], [p.grad for p in params],
-                          [state[p].get("momentum_buffer") for p in params],
-                          float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
-                          float(group["weight_decay"]), bool(group["nesterov"]),
-                          bool(group.get("maximize", False))))
-        result = self._shards.step_sgd(specs, subset)
-        if result is None:
+            groups.append(_C.ZeroSGDGroup(
+                params=[index[p] for p in params], grads=[p.grad for p in params],
+                momentum_buffers=[state[p].get("momentum_buffer") for p in params], options=o))
+        if self._shards.step_sgd(groups, subset) is None:
             return False
-        bufs_per_group, _ = result
         store_none = _compat.sgd_stores_none_momentum_buffer()
-        for (group, params), bufs in zip(stepped, bufs_per_group):
+        for (group, params), g in zip(stepped, groups):
             if group["momentum"] == 0 and not store_none:
                 continue
-            for p, buf in zip(params, bufs):
+            for p, buf in zip(params, g.momentum_buffers):
                 state[p]["momentum_buffer"] = buf
         return True
 
-    def _fused_adam(self, adamw: bool, subset: Optional[List[int]]) -> bool:
+    def _fused_adam(self, options: list, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
         index = self._unit_index
-        specs = []
-        for group in self.optim.param_groups:
-            amsgrad = bool(group["amsgrad"])
+        groups = []
+        for group, o in zip(self.optim.param_groups, options):
+            amsgrad = o.amsgrad
             params = [p for p in group["params"] if p.grad is not None]
             states = []
             for p in params:
@@ -683,14 +667,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 return False
             if not all(isinstance(t, torch.Tensor) for t in steps):
                 return False
-            beta1, beta2 = group["betas"]
-            specs.append(([index[p] for p in params], [p.grad for p in params], m1, m2, mx, steps,
-                          float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                          float(group["weight_decay"]), amsgrad,
-                          bool(group.get("maximize", False)),
-                          adamw or bool(group.get("decoupled_weight_decay", False))))
-        result = self._shards.step_adam(specs, subset)
-        return result is not None
+            groups.append(_C.ZeroAdamGroup(
+                params=[index[p] for p in params], grads=[p.grad for p in params], exp_avgs=m1,
+                exp_avg_sqs=m2, max_exp_avg_sqs=mx, steps=steps, options=o))
+        return self._shards.step_adam(groups, subset) is not None
 
     def _step_params(self, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
         """The overlap with DDP (``ddpx.hooks.hook_with_zero_step*``): steps this rank's share of
