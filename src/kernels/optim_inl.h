@@ -1,57 +1,23 @@
-// The per-element updates of the functional optimizers, shared by the CPU kernels
-// (optim_cpu.cpp) and the CUDA kernels (optim_cuda.cu), so both compute the same thing.
-//
-// Each line reproduces one ATen operation of torch.optim's single-tensor implementation (the
-// foreach=False path, torch's default on CPU), in its order and with its rounding. ATen's CPU
-// kernels compute `a.add(b, alpha=s)` as fma(b, s, a), `a.addcmul(b, c, value=s)` as
-// fma(s * b, c, a), `a.addcdiv(b, c, value=s)` as a + (s * b) / c and `a.lerp(b, w)` as
-// fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b); scalars are rounded to the element
-// type first. Written with explicit fma so that no compiler contraction can change a result.
-// CUDA's fma, division and sqrt are IEEE-rounded (nvcc's defaults), as on the CPU.
+// The per-element updates of SGD, Adam/AdamW, Adagrad and RMSprop, shared by the CPU kernels
+// (optim_cpu.cpp) and the CUDA kernels (optim_cuda.cu), so both compute the same thing. Each line
+// reproduces one ATen operation of torch.optim's single-tensor implementation, in its order and
+// with its rounding, with the arithmetic of ddpx/optim/elementwise/math.h (which says how ATen
+// rounds each operation).
 #pragma once
 
-#include <math.h>
+#include <ddpx/optim/elementwise/math.h>
 
 #include "optim.h"
-
-#ifdef __CUDACC__
-#define DDPX_OPTIM_INLINE __host__ __device__ __forceinline__
-#else
-#define DDPX_OPTIM_INLINE inline __attribute__((always_inline))
-#endif
 
 namespace ddpx {
 namespace kernels {
 namespace detail {
 
-DDPX_OPTIM_INLINE float fmadd(float a, float b, float c) { return fmaf(a, b, c); }
-DDPX_OPTIM_INLINE double fmadd(double a, double b, double c) { return fma(a, b, c); }
-DDPX_OPTIM_INLINE float sqrt_rn(float a) { return sqrtf(a); }
-DDPX_OPTIM_INLINE double sqrt_rn(double a) { return sqrt(a); }
-// a * b rounded on its own, for a product that an addition then takes as it is (ATen's mul_
-// followed by another op): GCC and nvcc contract `a * b + c` into one fma by default, which would
-// skip that rounding. An fma with -0 adds nothing (the sign of a zero product included) and is
-// never contracted further.
-DDPX_OPTIM_INLINE float mul_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fmul_rn(a, b);
-#else
-  return fmaf(a, b, -0.0f);
-#endif
-}
-DDPX_OPTIM_INLINE double mul_rn(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dmul_rn(a, b);
-#else
-  return fma(a, b, -0.0);
-#endif
-}
-// torch.maximum: NaN in either operand gives NaN.
-template <typename T>
-DDPX_OPTIM_INLINE T maximum(T a, T b) {
-  const T larger = a > b ? a : b;
-  return a != a ? a : larger;
-}
+using optim::elementwise::fmadd;
+using optim::elementwise::maximum;
+using optim::elementwise::mul_rn;
+using optim::elementwise::select;
+using optim::elementwise::sqrt_rn;
 
 // SgdScalars rounded to the element type, as ATen rounds a Python scalar.
 template <typename T>
@@ -98,13 +64,6 @@ DDPX_OPTIM_INLINE void sgd_element(T& p, T g, T& buf, const SgdCoeffs<T>& c) {
   const T g_momentum = c.nesterov ? g_nesterov : b;
   g = c.has_momentum ? g_momentum : g;
   p = fmadd(g, c.neg_lr, p);  // param.add_(grad, alpha=-lr)
-}
-
-// A select on a flag held as 0 or 1 in the element type: GCC vectorises a comparison of a
-// float with a select, but not a select on an invariant bool (it keeps the loop scalar).
-template <typename T>
-DDPX_OPTIM_INLINE T select(T flag, T if_set, T if_clear) {
-  return flag != T(0) ? if_set : if_clear;
 }
 
 // AdamScalars rounded to the element type; the flags as 0/1 of the element type (see select).

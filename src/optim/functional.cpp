@@ -3,9 +3,13 @@
 #include <ddpx/optim/functional.h>
 
 #include <cmath>
+#include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include "common/compat_internal.h"
+#include "ops/elementwise_optim.h"
 #include "ops/optim.h"
 
 namespace ddpx {
@@ -95,12 +99,27 @@ void RMSpropOptions::validate() const {
 }
 
 const char* optimizer_kind(const OptimizerOptions& options) {
-  if (std::holds_alternative<SGDOptions>(options)) return "sgd";
-  if (const auto* adam = std::get_if<AdamOptions>(&options)) {
-    return adam->decoupled_weight_decay ? "adamw" : "adam";
-  }
-  if (std::holds_alternative<AdagradOptions>(options)) return "adagrad";
-  return "rmsprop";
+  return std::visit(
+      [](const auto& o) -> const char* {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, SGDOptions>) {
+          return "sgd";
+        } else if constexpr (std::is_same_v<O, AdamOptions>) {
+          return o.decoupled_weight_decay ? "adamw" : "adam";
+        } else if constexpr (std::is_same_v<O, AdagradOptions>) {
+          return "adagrad";
+        } else if constexpr (std::is_same_v<O, RMSpropOptions>) {
+          return "rmsprop";
+        } else {
+          return O::Traits::kKind;
+        }
+      },
+      options);
+}
+
+template <typename Options>
+void validate_elementwise(const Options& options) {
+  options.check([](const auto&... message) { TORCH_CHECK_VALUE(false, message...); });
 }
 
 // ---- steps ----------------------------------------------------------------------------------
@@ -547,6 +566,116 @@ void FunctionalRMSprop::load_state(const std::vector<ParamState>& state) {
   momentum_buffers_ = std::move(bufs);
   steps_ = std::move(steps);
 }
+
+// ---- the elementwise optimizers ---------------------------------------------------------------
+
+template <typename Traits>
+void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      std::vector<std::vector<at::Tensor>>& states, std::vector<int64_t>& steps,
+                      const typename Traits::Options& opts) {
+  const std::string op = std::string("ddpx::optim::") + Traits::kKind + "_step";
+  const char* kOp = op.c_str();
+  constexpr int K = Traits::kStates;
+  validate_elementwise(opts);
+  const size_t n = params.size();
+  check_count(n, grads.size(), kOp, "grads");
+  check_count(n, steps.size(), kOp, "steps");
+  TORCH_CHECK_VALUE(states.size() == static_cast<size_t>(K), kOp, ": states has ", states.size(),
+                    " lists but ", Traits::kName, " keeps ", K);
+  for (int k = 0; k < K; ++k) check_count(n, states[k].size(), kOp, Traits::kStateNames[k]);
+  for (size_t i = 0; i < n; ++i) {
+    check_param(params[i], kOp, i);
+    check_like(params[i], grads[i], kOp, "grads", i);
+    TORCH_CHECK_VALUE(steps[i] >= 0, kOp, ": steps[", i, "] must be >= 0, got ", steps[i]);
+    int defined = 0;
+    for (int k = 0; k < K; ++k) defined += states[k][i].defined() ? 1 : 0;
+    TORCH_CHECK_VALUE(defined == 0 || defined == K, kOp, ": params[", i,
+                      "] has part of its state only; give all of it or none");
+    TORCH_CHECK_VALUE(defined == K || steps[i] == 0, kOp, ": params[", i, "] has step ", steps[i],
+                      " but no state");
+    for (int k = 0; k < K; ++k) {
+      if (defined == K) check_like(params[i], states[k][i], kOp, Traits::kStateNames[k], i);
+    }
+  }
+  std::vector<at::Tensor> tensor_states(K);
+  for (size_t i = 0; i < n; ++i) {
+    for (int k = 0; k < K; ++k) {
+      if (!states[k][i].defined()) {
+        states[k][i] = at::full_like(params[i], Traits::initial_state(k, opts));
+      }
+      tensor_states[k] = states[k][i];
+    }
+    ++steps[i];
+    ops::elementwise_update<Traits>(params[i], grads[i], tensor_states, opts, steps[i]);
+  }
+}
+
+template <typename Traits>
+FunctionalElementwise<Traits>::FunctionalElementwise(std::vector<at::Tensor> params, Options opts)
+    : params_(std::move(params)),
+      opts_(opts),
+      states_(Traits::kStates, std::vector<at::Tensor>(params_.size())),
+      steps_(params_.size(), 0) {
+  validate_elementwise(opts_);
+  const std::string op = std::string("Functional") + Traits::kName;
+  for (size_t i = 0; i < params_.size(); ++i) check_param(params_[i], op.c_str(), i);
+}
+
+template <typename Traits>
+void FunctionalElementwise<Traits>::step(const std::vector<at::Tensor>& grads) {
+  const std::string op = std::string("Functional") + Traits::kName + ".step";
+  const auto idx = stepped_indices(params_, grads, op.c_str());
+  std::vector<std::vector<at::Tensor>> states;
+  for (const auto& s : states_) states.push_back(pick(s, idx));
+  std::vector<int64_t> steps = pick(steps_, idx);
+  elementwise_step<Traits>(pick(params_, idx), pick(grads, idx), states, steps, opts_);
+  for (int k = 0; k < Traits::kStates; ++k) put(states_[k], idx, states[k]);
+  put(steps_, idx, steps);
+}
+
+template <typename Traits>
+std::vector<ParamState> FunctionalElementwise<Traits>::state() const {
+  std::vector<ParamState> out(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!states_[0][i].defined()) continue;
+    out[i]["step"] = step_tensor(steps_[i]);
+    for (int k = 0; k < Traits::kStates; ++k) out[i][Traits::kStateNames[k]] = states_[k][i];
+  }
+  return out;
+}
+
+template <typename Traits>
+void FunctionalElementwise<Traits>::load_state(const std::vector<ParamState>& state) {
+  const std::string op = std::string("Functional") + Traits::kName + ".load_state";
+  const char* kOp = op.c_str();
+  check_count(params_.size(), state.size(), kOp, "state");
+  const size_t n = params_.size();
+  std::vector<std::vector<at::Tensor>> states(Traits::kStates, std::vector<at::Tensor>(n));
+  std::vector<int64_t> steps(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const ParamState& st = state[i];
+    if (st.empty()) continue;
+    steps[i] = step_of(st, kOp, i);
+    for (int k = 0; k < Traits::kStates; ++k) {
+      states[k][i] = state_like(params_[i], st, Traits::kStateNames[k], kOp, i);
+      TORCH_CHECK_VALUE(states[k][i].defined(), kOp, ": state[", i, "] needs \"",
+                        Traits::kStateNames[k], "\"");
+    }
+  }
+  states_ = std::move(states);
+  steps_ = std::move(steps);
+}
+
+#define DDPX_INSTANTIATE(Name)                                        \
+  template void validate_elementwise<elementwise::Name::Options>(     \
+      const elementwise::Name::Options&);                             \
+  template void elementwise_step<elementwise::Name>(                  \
+      const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, \
+      std::vector<std::vector<at::Tensor>>&, std::vector<int64_t>&,   \
+      const elementwise::Name::Options&);                             \
+  template class FunctionalElementwise<elementwise::Name>;
+DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_INSTANTIATE)
+#undef DDPX_INSTANTIATE
 
 }  // namespace optim
 }  // namespace ddpx

@@ -79,9 +79,11 @@ std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(std::vector<at::Tens
           return wrap(kind, std::make_shared<FunctionalAdam>(std::move(params), o));
         } else if constexpr (std::is_same_v<O, AdagradOptions>) {
           return wrap(kind, std::make_shared<FunctionalAdagrad>(std::move(params), o));
-        } else {
-          static_assert(std::is_same_v<O, RMSpropOptions>, "an optimizer without a C++ form");
+        } else if constexpr (std::is_same_v<O, RMSpropOptions>) {
           return wrap(kind, std::make_shared<FunctionalRMSprop>(std::move(params), o));
+        } else {  // an elementwise optimizer (ddpx/optim/elementwise/all.h)
+          return wrap(kind, std::make_shared<FunctionalElementwise<typename O::Traits>>(
+                                std::move(params), o));
         }
       },
       options);

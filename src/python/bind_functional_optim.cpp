@@ -22,12 +22,47 @@ namespace {
 
 // ---- the options structs, bound generically over their for_each_field ---------------------
 
+// The options of an elementwise optimizer (ddpx/optim/elementwise/all.h) name their traits.
+template <typename O, typename = void>
+struct is_elementwise : std::false_type {};
+template <typename O>
+struct is_elementwise<O, std::void_t<typename O::Traits>> : std::true_type {};
+
 template <typename O>
 const char* options_name() {
   if constexpr (std::is_same_v<O, optim::SGDOptions>) return "SGDOptions";
   if constexpr (std::is_same_v<O, optim::AdamOptions>) return "AdamOptions";
   if constexpr (std::is_same_v<O, optim::AdagradOptions>) return "AdagradOptions";
   if constexpr (std::is_same_v<O, optim::RMSpropOptions>) return "RMSpropOptions";
+  if constexpr (is_elementwise<O>::value) return O::Traits::kOptionsName;
+}
+
+template <typename O>
+void validate(const O& o) {
+  if constexpr (is_elementwise<O>::value) {
+    optim::validate_elementwise(o);
+  } else {
+    o.validate();
+  }
+}
+
+// torch's pair arguments, each as two fields of the structs that have it.
+struct Pair {
+  const char* name;
+  const char* first;
+  const char* second;
+};
+constexpr Pair kPairs[] = {{"betas", "beta1", "beta2"},
+                           {"etas", "etaminus", "etaplus"},
+                           {"step_sizes", "step_size_min", "step_size_max"}};
+
+// Whether O has a field of this name.
+template <typename O>
+bool has_field(const char* field) {
+  bool yes = false;
+  O o;
+  o.for_each_field([&](const char* name, auto&) { yes = yes || std::string(name) == field; });
+  return yes;
 }
 
 // The fields as a dict, named as torch's constructor arguments (Adam's betas as beta1, beta2).
@@ -38,19 +73,22 @@ py::dict options_fields(O o) {
   return d;
 }
 
-// Options from keyword arguments named as the fields (Adam also takes torch's betas pair), over
+// Options from keyword arguments named as the fields (or torch's pairs: betas, etas, ...), over
 // `o`; an unknown name or a value of the wrong type is torch's TypeError, a value out of range
 // its ValueError (validate()). What is built is valid: the structs are immutable in Python.
 template <typename O>
 O options_from(O o, const py::dict& kwargs) {
   py::dict left(kwargs);
-  if constexpr (std::is_same_v<O, optim::AdamOptions>) {
-    if (left.contains("betas")) {
-      const auto betas = left["betas"].cast<std::pair<double, double>>();
-      o.beta1 = betas.first;
-      o.beta2 = betas.second;
-      PyDict_DelItemString(left.ptr(), "betas");
-    }
+  for (const Pair& pair : kPairs) {
+    if (!has_field<O>(pair.first) || !left.contains(pair.name)) continue;
+    const auto values = left[pair.name].cast<std::pair<double, double>>();
+    o.for_each_field([&](const char* name, auto& field) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(field)>, double>) {
+        if (std::string(name) == pair.first) field = values.first;
+        if (std::string(name) == pair.second) field = values.second;
+      }
+    });
+    PyDict_DelItemString(left.ptr(), pair.name);
   }
   o.for_each_field([&](const char* name, auto& field) {
     if (!left.contains(name)) return;
@@ -70,7 +108,7 @@ O options_from(O o, const py::dict& kwargs) {
                          "() got an unexpected keyword argument '" +
                          std::string(py::str(left.begin()->first)) + "'");
   }
-  o.validate();
+  validate(o);
   return o;
 }
 
@@ -119,10 +157,16 @@ void bind_options(py::module& m, const char* doc) {
       return options_fields(o)[key.c_str()];  // a new reference, not an accessor into a temporary
     });
   });
-  if constexpr (std::is_same_v<O, optim::AdamOptions>) {
+  for (const Pair& pair : kPairs) {
+    if (!has_field<O>(pair.first)) continue;
     cls.def_property_readonly(
-        "betas", [](const O& o) { return py::make_tuple(o.beta1, o.beta2); },
-        "torch's betas: (beta1, beta2).");
+        pair.name,
+        [pair](const O& o) {
+          const py::dict d = options_fields(o);
+          return py::make_tuple(d[pair.first], d[pair.second]);
+        },
+        (std::string("torch's ") + pair.name + ": (" + pair.first + ", " + pair.second + ").")
+            .c_str());
   }
 }
 
@@ -170,6 +214,78 @@ void bind_functional(py::class_<F>& cls) {
          },
          py::arg("grads"), "Steps the parameters whose gradient is not None.")
       .def_property_readonly("options", &F::options);
+}
+
+// An elementwise optimizer's options class, its <kind>_step function and its Functional<Name>
+// class, all from its traits.
+template <typename Traits>
+void bind_elementwise(py::module& m) {
+  using O = typename Traits::Options;
+  using F = optim::FunctionalElementwise<Traits>;
+  const std::string name = Traits::kName;
+  std::string fields;
+  {
+    O defaults;
+    defaults.for_each_field([&](const char* field, auto& value) {
+      fields += (fields.empty() ? "" : ", ") + std::string(field) + "=" +
+                std::string(py::repr(py::cast(value)));
+    });
+  }
+  bind_options<O>(
+      m, ("torch.optim." + name + "'s hyper-parameters: " + Traits::kOptionsName + "(" + fields +
+          "). Validated when built (torch's ValueErrors); immutable; picklable.")
+             .c_str());
+  std::string state_names;
+  for (const char* s : Traits::kStateNames)
+    state_names += std::string(state_names.empty() ? "" : ", ") + s;
+  m.def(
+      (std::string(Traits::kKind) + "_step").c_str(),
+      [](const py::object& params, const py::object& grads, const py::dict& state,
+         std::vector<int64_t> steps, const py::kwargs& kwargs) {
+        const auto p = tensor_list(params, "params");
+        const auto g = tensor_list(grads, "grads");
+        std::vector<std::vector<at::Tensor>> states;
+        for (const char* s : Traits::kStateNames) {
+          if (!state.contains(s)) throw py::value_error(std::string("state needs \"") + s + "\"");
+          states.push_back(tensor_list(state[s], s));
+        }
+        if (state.size() != static_cast<size_t>(Traits::kStates)) {
+          throw py::value_error(std::string("state holds other keys than ") + Traits::kName + "'s");
+        }
+        const auto opts = options_arg<O>(kwargs);
+        {
+          py::gil_scoped_release no_gil;
+          optim::elementwise_step<Traits>(p, g, states, steps, opts);
+        }
+        py::dict out;
+        for (int k = 0; k < Traits::kStates; ++k) out[Traits::kStateNames[k]] = to_py(states[k]);
+        return py::make_tuple(out, steps);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("state"), py::arg("steps"),
+      (std::string(Traits::kKind) + "_step(params, grads, state, steps, **" + Traits::kOptionsName +
+       " fields or options=" + Traits::kOptionsName + "): one fused " + name +
+       " step of every parameter (torch.optim." + name + "'s formulas). state: {" + state_names +
+       "}, each a list with one entry per parameter, None before its first step; "
+       "steps: per-parameter step counts. Returns (state, steps) after the step.")
+          .c_str());
+  py::class_<F> cls(m, ("Functional" + name).c_str(),
+                    ("Functional" + name + "(params, **" + Traits::kOptionsName +
+                     " fields or options=" + Traits::kOptionsName + "): " + name +
+                     " over a fixed list of parameters, holding their state.")
+                        .c_str());
+  cls.def(py::init([](const py::object& params, const py::kwargs& kwargs) {
+            return F(tensor_list(params, "params"), options_arg<O>(kwargs));
+          }),
+          py::arg("params"))
+      .def("state", &F::state,
+           ("Per-parameter state in torch.optim." + name + "'s layout (step, " + state_names +
+            "; {} before a parameter's first step).")
+               .c_str())
+      .def(
+          "load_state",
+          [](F& self, const py::object& state) { self.load_state(param_states(state)); },
+          py::arg("state"));
+  bind_functional(cls);
 }
 
 }  // namespace
@@ -359,6 +475,10 @@ void bind_functional_optim(py::module& m) {
           "Loads state() or torch.optim.RMSprop's per-parameter state (a number step, as torch "
           "1.13 keeps it, is taken too).");
   bind_functional(rmsprop);
+
+#define DDPX_BIND(Name) bind_elementwise<optim::elementwise::Name>(m);
+  DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_BIND)
+#undef DDPX_BIND
 }
 
 }  // namespace python

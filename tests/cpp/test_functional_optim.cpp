@@ -494,4 +494,61 @@ TEST(FunctionalOptimErrors, Tensors) {
       "part of its state only");
 }
 
+// The elementwise optimizers from C++ (their traits in ddpx/optim/elementwise/): closed forms of
+// their first steps, torch's state names, and torch's refusals.
+TEST(ElementwiseOptim, FirstStepsClosedForm) {
+  // Adamax, step 1: exp_avg = (1 - b1) g, exp_inf = |g| + eps, clr = lr / (1 - b1): the step is
+  // lr * g / (|g| + eps), lr * sign(g) up to eps.
+  std::vector<at::Tensor> a{at::full({3}, 1.0, at::kDouble)};
+  ddpx::optim::AdamaxOptions ao;
+  ao.lr = 0.1;
+  ao.eps = 0;
+  ddpx::optim::FunctionalAdamax adamax(a, ao);
+  adamax.step({at::tensor({2.0, -0.5, 4.0}, at::kDouble)});
+  EXPECT_TRUE(at::allclose(a[0], at::tensor({0.9, 1.1, 0.9}, at::kDouble), 0, 1e-15));
+  auto st = adamax.state();
+  EXPECT_EQ(st[0].size(), 3u);
+  EXPECT_TRUE(at::allclose(st[0].at("exp_inf"), at::tensor({2.0, 0.5, 4.0}, at::kDouble)));
+
+  // Adadelta, step 1 with rho 0.5: square_avg = g^2 / 2 = 2, std = sqrt(2 + eps), and (acc_delta
+  // starting at 0) delta = sqrt(eps) / std * g.
+  std::vector<at::Tensor> d{at::ones({2}, at::kDouble)};
+  ddpx::optim::AdadeltaOptions dopt;
+  dopt.rho = 0.5;
+  dopt.eps = 1e-2;
+  ddpx::optim::FunctionalAdadelta adadelta(d, dopt);
+  adadelta.step({at::full({2}, 2.0, at::kDouble)});
+  const double delta = std::sqrt(0.01) / std::sqrt(2.01) * 2;
+  EXPECT_NEAR(d[0][0].item<double>(), 1 - delta, 1e-15);
+
+  // Rprop: the first step moves by lr (step_size starts at lr, prev 0: factor 1); a sign change
+  // next multiplies the step size by etaminus, zeroes the gradient, and leaves the parameter.
+  std::vector<at::Tensor> r{at::zeros({2}, at::kDouble)};
+  ddpx::optim::RpropOptions ro;
+  ro.lr = 0.1;
+  ddpx::optim::FunctionalRprop rprop(r, ro);
+  rprop.step({at::tensor({1.0, -1.0}, at::kDouble)});
+  EXPECT_TRUE(at::allclose(r[0], at::tensor({-0.1, 0.1}, at::kDouble)));
+  rprop.step({at::tensor({-1.0, -1.0}, at::kDouble)});
+  EXPECT_TRUE(at::allclose(r[0], at::tensor({-0.1, 0.1 + 0.12}, at::kDouble)));
+  auto rs = rprop.state();
+  EXPECT_TRUE(at::allclose(rs[0].at("step_size"), at::tensor({0.05, 0.12}, at::kDouble)));
+  EXPECT_TRUE(at::equal(rs[0].at("prev"), at::tensor({0.0, -1.0}, at::kDouble)));
+}
+
+TEST(ElementwiseOptim, RefusalsAreTorchs) {
+  std::vector<at::Tensor> p{at::zeros({2})};
+  ddpx::optim::RpropOptions r;
+  r.etaminus = 1.5;
+  expect_error<c10::ValueError>([&] { ddpx::optim::FunctionalRprop(p, r); },
+                                "Invalid eta values: 1.5, 1.2");
+  ddpx::optim::AdadeltaOptions d;
+  d.rho = 2;
+  expect_error<c10::ValueError>([&] { ddpx::optim::FunctionalAdadelta(p, d); },
+                                "Invalid rho value: 2");
+  // Through OptimizerOptions, as the RPC optimizer takes them.
+  const ddpx::optim::OptimizerOptions any = ddpx::optim::AdamaxOptions();
+  EXPECT_STREQ(ddpx::optim::optimizer_kind(any), "adamax");
+}
+
 }  // namespace

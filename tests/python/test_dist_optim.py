@@ -152,6 +152,9 @@ CONFIGS = [
     (torch.optim.RMSprop, dict(lr=0.01, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9,
                                centered=True)),
     (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, maximize=True)),
+    (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.1)),
+    (torch.optim.Adamax, dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, maximize=True)),
+    (torch.optim.Rprop, dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-4, 1.0))),
 ]
 # torch's own DistributedOptimizer cannot build Adam(decoupled_weight_decay=True) (its
 # _FunctionalAdam lacks the argument: a TypeError on the owners); ddpx's runs it as AdamW, the
@@ -314,7 +317,7 @@ def _gil_rank(rank, world_size, init_file):
         native = DistributedOptimizer(torch.optim.SGD, [w], lr=0.001)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fallback = DistributedOptimizer(torch.optim.Adadelta, [w], lr=0.001)
+            fallback = DistributedOptimizer(torch.optim.ASGD, [w], lr=0.001)
         assert native.is_native and not fallback.is_native
         # Warm both paths up (first RPCs) before the busy thread.
         _const_grad_step(native, "gil", "worker1")
@@ -411,8 +414,8 @@ def _fallback_and_errors_rank(rank, world_size, init_file):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ddpx.optim.optimizer._warned.clear()
-            fb = DistributedOptimizer(torch.optim.Rprop, [w], lr=0.05)
-            DistributedOptimizer(torch.optim.Rprop, [w], lr=0.05)
+            fb = DistributedOptimizer(torch.optim.ASGD, [w], lr=0.05)
+            DistributedOptimizer(torch.optim.ASGD, [w], lr=0.05)
         report["warnings"] = [str(c.message) for c in caught
                               if "DistributedOptimizer" in str(c.message)]
         before = rpc.rpc_sync("worker1", _get_param, args=("e",))
@@ -451,7 +454,7 @@ def _fallback_and_errors_rank(rank, world_size, init_file):
 def test_fallback_and_bad_input():
     report = _run(_fallback_and_errors_rank, 2)[0]
     assert len(report["warnings"]) == 1, report["warnings"]
-    assert "Rprop has no C++ form" in report["warnings"][0]
+    assert "ASGD has no C++ form" in report["warnings"][0]
     assert report["fallback_moved"]
     assert report["non_rref"].startswith("TypeError") and "not an RRef" in report["non_rref"]
     assert report["not_optimizer"].startswith("TypeError"), report["not_optimizer"]

@@ -81,7 +81,7 @@ def test_param_group_and_constructor_arguments_give_the_same_struct(case):
 
 def test_the_table():
     names = _options.cpp_optimizer_names()
-    assert names == ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop")
+    assert names == ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "Rprop")
     for name in names:
         assert _options.has_cpp_form(getattr(torch.optim, name))
         assert _options.is_elementwise(getattr(torch.optim, name))
@@ -90,11 +90,11 @@ def test_the_table():
         pass
 
     assert not _options.has_cpp_form(MySGD) and not _options.is_elementwise(MySGD)
-    assert not _options.has_cpp_form(torch.optim.Rprop) and _options.is_elementwise(
-        torch.optim.Rprop)
+    assert not _options.has_cpp_form(torch.optim.ASGD) and _options.is_elementwise(
+        torch.optim.ASGD)
     assert not _options.is_elementwise(torch.optim.LBFGS)
-    options, reason = _options.cpp_options(torch.optim.Rprop, {"lr": 0.1})
-    assert options is None and "Rprop has no C++ form" in reason
+    options, reason = _options.cpp_options(torch.optim.ASGD, {"lr": 0.1})
+    assert options is None and "ASGD has no C++ form" in reason
 
 
 def test_what_has_no_cpp_form_is_a_reason_not_an_error(monkeypatch):

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ddpx/optim/elementwise/all.h>
 
 #include <cstdint>
 #include <map>
@@ -108,13 +109,26 @@ struct RMSpropOptions {
   }
 };
 
+using elementwise::AdadeltaOptions;
+using elementwise::AdamaxOptions;
+using elementwise::RpropOptions;
+
 // The hyper-parameters of any optimizer with a C++ form: the type says which (AdamOptions with
-// decoupled_weight_decay is AdamW).
-using OptimizerOptions = std::variant<SGDOptions, AdamOptions, AdagradOptions, RMSpropOptions>;
+// decoupled_weight_decay is AdamW; the elementwise optimizers' options after the four).
+#define DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE(Name) , elementwise::Name::Options
+using OptimizerOptions =
+    std::variant<SGDOptions, AdamOptions, AdagradOptions,
+                 RMSpropOptions DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE)>;
+#undef DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE
 
 // The torch.optim class `options` stand for, in lower case: "sgd", "adam", "adamw", "adagrad",
-// "rmsprop".
+// "rmsprop", or an elementwise optimizer's Traits::kKind ("adamax", ...).
 const char* optimizer_kind(const OptimizerOptions& options);
+
+// Raises torch's ValueError (c10::ValueError) for the first value of an elementwise optimizer's
+// options that torch's constructor refuses.
+template <typename Options>
+void validate_elementwise(const Options& options);
 
 // One SGD step of every params[i] with grads[i]. momentum_buffers must have params.size()
 // entries; with momentum, an undefined entry is created on this step as torch does (a copy of
@@ -150,6 +164,16 @@ void rmsprop_step(const std::vector<at::Tensor>& params, const std::vector<at::T
                   std::vector<at::Tensor>& square_avgs, std::vector<at::Tensor>& grad_avgs,
                   std::vector<at::Tensor>& momentum_buffers, std::vector<int64_t>& steps,
                   const RMSpropOptions& opts);
+
+// One step of an elementwise optimizer (ddpx/optim/elementwise/all.h) of every params[i] with
+// grads[i]: states[k][i] is params[i]'s state Traits::kStateNames[k] (every states[k] has
+// params.size() entries; undefined entries are created as Traits::initial_state, as torch does
+// on a parameter's first step, whose step must then be 0). steps[i] counts params[i]'s steps,
+// as torch's state["step"]; this call increments it before using it.
+template <typename Traits>
+void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      std::vector<std::vector<at::Tensor>>& states, std::vector<int64_t>& steps,
+                      const typename Traits::Options& opts);
 
 // One parameter's state in torch.optim's state_dict layout: "momentum_buffer" (SGD), or
 // "step" (a 0-dim float32 tensor, as torch stores it) with "exp_avg", "exp_avg_sq" and, with
@@ -248,6 +272,32 @@ class FunctionalRMSprop {
   std::vector<at::Tensor> momentum_buffers_;
   std::vector<int64_t> steps_;
 };
+
+// An elementwise optimizer (Traits from ddpx/optim/elementwise/all.h) over a fixed list of
+// parameters; as FunctionalSGD. Its state is "step" (a 0-dim float32 tensor, as torch stores it)
+// and Traits::kStateNames, created on a parameter's first step.
+template <typename Traits>
+class FunctionalElementwise {
+ public:
+  using Options = typename Traits::Options;
+  // Validates `opts` (c10::ValueError as torch's); shares the storage of `params`.
+  FunctionalElementwise(std::vector<at::Tensor> params, Options opts);
+  void step(const std::vector<at::Tensor>& grads);
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const Options& options() const { return opts_; }
+  std::vector<ParamState> state() const;
+  void load_state(const std::vector<ParamState>& state);
+
+ private:
+  std::vector<at::Tensor> params_;
+  Options opts_;
+  std::vector<std::vector<at::Tensor>> states_;  // [k][i]: params_[i]'s state kStateNames[k]
+  std::vector<int64_t> steps_;
+};
+
+using FunctionalAdadelta = FunctionalElementwise<elementwise::Adadelta>;
+using FunctionalAdamax = FunctionalElementwise<elementwise::Adamax>;
+using FunctionalRprop = FunctionalElementwise<elementwise::Rprop>;
 
 }  // namespace optim
 }  // namespace ddpx

@@ -53,7 +53,8 @@ class RpcLocalOptimizer {
 };
 
 // One worker's optimizer of the kind `options` stand for (SGDOptions: torch.optim.SGD,
-// AdamOptions: Adam or AdamW, ...) over `params`. Options torch refuses are a c10::ValueError.
+// AdamOptions: Adam or AdamW, AdamaxOptions: Adamax, ...) over `params`. Options torch refuses are
+// a c10::ValueError.
 std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(std::vector<at::Tensor> params,
                                                             const OptimizerOptions& options);
 

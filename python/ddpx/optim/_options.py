@@ -37,12 +37,12 @@ _TABLE = {
     "AdamW": _Form(True, _C.AdamOptions, (("decoupled_weight_decay", True),)),
     "Adagrad": _Form(True, _C.AdagradOptions),
     "RMSprop": _Form(True, _C.RMSpropOptions),
-    "Adadelta": _Form(True, None),
-    "Adamax": _Form(True, None),
+    "Adadelta": _Form(True, _C.AdadeltaOptions),
+    "Adamax": _Form(True, _C.AdamaxOptions),
     "ASGD": _Form(True, None),
     "NAdam": _Form(True, None),
     "RAdam": _Form(True, None),
-    "Rprop": _Form(True, None),
+    "Rprop": _Form(True, _C.RpropOptions),
     "LBFGS": _Form(False, None),
     "SparseAdam": _Form(False, None),
     "Adafactor": _Form(False, None),
@@ -75,10 +75,14 @@ def cpp_optimizer_names() -> Tuple[str, ...]:
     return tuple(name for name, form in _TABLE.items() if form.options is not None)
 
 
+# torch's pair arguments and the two fields each is in the structs (which take the pair too).
+_PAIRS = {"betas": ("beta1", "beta2"), "etas": ("etaminus", "etaplus"),
+          "step_sizes": ("step_size_min", "step_size_max")}
+
+
 def _field_names(options_class: type) -> frozenset:
     names = set(options_class()._asdict())
-    if "beta1" in names:
-        names.add("betas")  # torch's pair; the struct takes it too
+    names.update(pair for pair, (first, _) in _PAIRS.items() if first in names)
     return frozenset(names)
 
 
@@ -129,10 +133,10 @@ def cpp_options(optimizer_class: Any, group: Mapping[str, Any], *,
             continue
         if key not in fields:
             return None, f"argument {key!r} is not supported by ddpx's C++ {name}"
-        if key == "betas":
+        if key in _PAIRS:
             pair = []
-            for i, beta in enumerate(value):
-                number, reason = _number(f"betas[{i}]", beta, tensors)
+            for i, item in enumerate(value):
+                number, reason = _number(f"{key}[{i}]", item, tensors)
                 if reason:
                     return None, reason
                 pair.append(number)

@@ -18,8 +18,8 @@ be registered (``_compat.rpc_builtin``), each step is a Python function on the o
 C++ at once and releases the GIL there, with a one-time warning: correct, but it takes the owner's
 GIL briefly a few times per step.
 
-Optimizer classes with a C++ form: ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``,
-``RMSprop``. Any other falls
+Optimizer classes with a C++ form (``ddpx.optim._options``' table): ``torch.optim.SGD``,
+``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``, ``Rprop``. Any other falls
 back to running torch's optimizer in Python on the owners, as torch's non-scripted path does,
 with a one-time warning naming the reason.
 """
@@ -180,10 +180,11 @@ class DistributedOptimizer:
     a parameter update; as with torch, the gradients a step applies need not be those of the
     latest forward pass on that worker, and there is no ordering across workers.
 
-    ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad`` and ``RMSprop`` run as ddpx's C++
-    functional optimizers (every argument of torch's: lr, momentum, dampening, nesterov,
-    weight_decay, betas, eps, amsgrad, decoupled_weight_decay, lr_decay,
-    initial_accumulator_value, alpha, centered, maximize; ``foreach`` is ignored). The arguments
+    ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``
+    and ``Rprop`` run as ddpx's C++ functional optimizers (every argument of torch's: lr,
+    momentum, dampening, nesterov, weight_decay, betas, eps, amsgrad, decoupled_weight_decay,
+    lr_decay, initial_accumulator_value, alpha, centered, rho, etas, step_sizes, maximize;
+    ``foreach`` is ignored). The arguments
     reach the owners as ddpx's typed C++ options (``ddpx.optim._options``). Any other class, or
     an argument the C++ form lacks (``fused``, ``differentiable``...), runs torch's optimizer in
     Python on the owners, with a one-time warning. ``Adam(decoupled_weight_decay=True)``, which

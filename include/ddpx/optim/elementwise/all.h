@@ -1,0 +1,18 @@
+// The elementwise optimizers: each is one header in this folder holding its options (fields
+// under torch's names, torch's checks) and its traits (torch's state names, the coefficients of
+// a step, the element update), and one line here. The rest is generic: the CPU loop and the
+// CUDA kernel (src/kernels/elementwise_optim*), the ATen layer (src/ops/elementwise_optim.cpp),
+// elementwise_step and FunctionalElementwise (optim/functional.h), OptimizerOptions and the RPC
+// optimizer, and the Python bindings (FunctionalAdamax, adamax_step, AdamaxOptions).
+//
+// Adding one: its header, its line in DDPX_ELEMENTWISE_OPTIMIZERS, its row in
+// python/ddpx/optim/_options.py, and its test against torch
+// (tests/python/test_elementwise_optim.py).
+#pragma once
+
+#include "adadelta.h"
+#include "adamax.h"
+#include "rprop.h"
+
+// X(traits) for every elementwise optimizer (ddpx::optim::elementwise::<traits>).
+#define DDPX_ELEMENTWISE_OPTIMIZERS(X) X(Adadelta) X(Adamax) X(Rprop)

@@ -1,0 +1,75 @@
+// The arithmetic of the optimizers' element updates, torch-free and shared by the CPU loops and
+// the CUDA kernels (each optimizer's traits in this folder, and src/kernels/optim_inl.h).
+//
+// An element update reproduces torch.optim's single-tensor implementation (foreach=False, torch's
+// CPU default) operation by operation, with its rounding. ATen's CPU kernels compute
+// `a.add(b, alpha=s)` as fma(b, s, a), `a.addcmul(b, c, value=s)` as fma(s * b, c, a),
+// `a.addcdiv(b, c, value=s)` as a + (s * b) / c and `a.lerp(b, w)` as fma(w, b - a, a) for
+// |w| < 0.5, else fma(w - 1, b - a, b); scalars are rounded to the element type first. Written
+// with explicit fma so that no compiler contraction can change a result. CUDA's fma, division
+// and sqrt are IEEE-rounded (nvcc's defaults), as on the CPU.
+#pragma once
+
+#include <math.h>
+
+#ifdef __CUDACC__
+#define DDPX_OPTIM_INLINE __host__ __device__ __forceinline__
+#else
+#define DDPX_OPTIM_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace ddpx {
+namespace optim {
+namespace elementwise {
+
+DDPX_OPTIM_INLINE float fmadd(float a, float b, float c) { return fmaf(a, b, c); }
+DDPX_OPTIM_INLINE double fmadd(double a, double b, double c) { return fma(a, b, c); }
+DDPX_OPTIM_INLINE float sqrt_rn(float a) { return sqrtf(a); }
+DDPX_OPTIM_INLINE double sqrt_rn(double a) { return sqrt(a); }
+// a * b rounded on its own, for a product that an addition then takes as it is (ATen's mul_
+// followed by another op): GCC and nvcc contract `a * b + c` into one fma by default, which would
+// skip that rounding. An fma with -0 adds nothing (the sign of a zero product included) and is
+// never contracted further.
+DDPX_OPTIM_INLINE float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return fmaf(a, b, -0.0f);
+#endif
+}
+DDPX_OPTIM_INLINE double mul_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return fma(a, b, -0.0);
+#endif
+}
+// torch.maximum (and torch.amax over two values): NaN in either operand gives NaN.
+template <typename T>
+DDPX_OPTIM_INLINE T maximum(T a, T b) {
+  const T larger = a > b ? a : b;
+  return a != a ? a : larger;
+}
+// A select on a flag held as 0 or 1 in the element type: GCC vectorises a comparison of a
+// float with a select, but not a select on an invariant bool (it keeps the loop scalar). Element
+// updates compute every candidate and select among values: a branch around floating-point work
+// keeps GCC from vectorising the CPU loops, and selects cost nothing on a GPU.
+template <typename T>
+DDPX_OPTIM_INLINE T select(T flag, T if_set, T if_clear) {
+  return flag != T(0) ? if_set : if_clear;
+}
+// a.lerp_(b, w) as ATen computes it (two-sided: from a when |w| < 0.5, else from b); w_small is
+// that condition as a select flag, decided once per tensor.
+template <typename T>
+DDPX_OPTIM_INLINE T lerp(T a, T b, T w, T w_small) {
+  const T d = b - a;
+  return select(w_small, fmadd(w, d, a), fmadd(w - T(1), d, b));
+}
+template <typename T>
+inline T lerp_small_flag(T w) {
+  return w < T(0.5) && w > T(-0.5) ? T(1) : T(0);
+}
+
+}  // namespace elementwise
+}  // namespace optim
+}  // namespace ddpx

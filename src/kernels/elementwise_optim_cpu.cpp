@@ -1,0 +1,91 @@
+// CPU loop of the elementwise optimizers: one pass over each tensor's memory with the traits'
+// element update. Built twice, as optim_cpu.cpp's loops: for AVX2+FMA (chosen once at run time
+// when the CPU has them) and portably, with the same results. Compiled with -fno-math-errno
+// -fno-trapping-math so the loops vectorise (CMakeLists.txt).
+#include <stdexcept>
+#include <string>
+
+#include "elementwise_optim.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DDPX_ELEMENTWISE_X86 1
+#endif
+
+namespace ddpx {
+namespace kernels {
+namespace {
+
+template <typename Traits, typename T>
+DDPX_OPTIM_INLINE void loop(const ElementwiseTensor<Traits, T>& t,
+                            const ElementwiseCoeffs<Traits, T>& coeffs, int64_t begin,
+                            int64_t end) {
+  constexpr int K = Traits::kStates;
+  const ElementwiseCoeffs<Traits, T> c = coeffs;  // a local copy: stores cannot alias it
+  T* __restrict p = t.param;
+  const T* __restrict g = t.grad;
+  T* st[K];
+  for (int k = 0; k < K; ++k) st[k] = t.state[k];
+    // Values go through locals, loaded and stored unconditionally, so the element function's
+    // selects stay selects and the loop vectorises (the tensors do not overlap: simd is safe).
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    T pi = p[i];
+    T s[K];
+    for (int k = 0; k < K; ++k) s[k] = st[k][i];
+    Traits::element(pi, g[i], s, c);
+    p[i] = pi;
+    for (int k = 0; k < K; ++k) st[k][i] = s[k];
+  }
+}
+
+template <typename Traits, typename T>
+void loop_portable(const ElementwiseTensor<Traits, T>& t, const ElementwiseCoeffs<Traits, T>& c,
+                   int64_t begin, int64_t end) {
+  loop(t, c, begin, end);
+}
+
+#ifdef DDPX_ELEMENTWISE_X86
+template <typename Traits, typename T>
+__attribute__((target("avx2,fma"))) void loop_avx2(const ElementwiseTensor<Traits, T>& t,
+                                                   const ElementwiseCoeffs<Traits, T>& c,
+                                                   int64_t begin, int64_t end) {
+  loop(t, c, begin, end);
+}
+
+bool has_avx2_fma() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+#endif
+
+}  // namespace
+
+template <typename Traits, typename T>
+void elementwise_cpu(const ElementwiseTensor<Traits, T>& t, const ElementwiseCoeffs<Traits, T>& c,
+                     int64_t begin, int64_t end) {
+  if (begin < 0 || begin > end || end > t.n) {
+    throw std::invalid_argument(std::string("ddpx ") + Traits::kKind + ": range [" +
+                                std::to_string(begin) + ", " + std::to_string(end) +
+                                ") outside [0, " + std::to_string(t.n) + ")");
+  }
+#ifdef DDPX_ELEMENTWISE_X86
+  if (has_avx2_fma()) return loop_avx2(t, c, begin, end);
+#endif
+  loop_portable(t, c, begin, end);
+}
+
+#define DDPX_INSTANTIATE(Name)                                                      \
+  template void elementwise_cpu<optim::elementwise::Name, float>(                   \
+      const ElementwiseTensor<optim::elementwise::Name, float>&,                    \
+      const ElementwiseCoeffs<optim::elementwise::Name, float>&, int64_t, int64_t); \
+  template void elementwise_cpu<optim::elementwise::Name, double>(                  \
+      const ElementwiseTensor<optim::elementwise::Name, double>&,                   \
+      const ElementwiseCoeffs<optim::elementwise::Name, double>&, int64_t, int64_t);
+DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_INSTANTIATE)
+#undef DDPX_INSTANTIATE
+
+}  // namespace kernels
+}  // namespace ddpx

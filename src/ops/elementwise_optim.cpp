@@ -1,0 +1,80 @@
+#include "ops/elementwise_optim.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "common/compat_internal.h"
+#include "ops/cuda_launch.h"
+
+#ifdef DDPX_WITH_CUDA
+#define DDPX_ELEMENTWISE_CUDA_API 1
+#endif
+#include "kernels/elementwise_optim.h"
+
+namespace ddpx {
+namespace ops {
+namespace {
+
+// Elements per task: ATen's own grain, so small tensors run on the calling thread.
+constexpr int64_t kElementwiseGrain = 32768;
+
+template <typename Traits, typename T>
+void run_elementwise(const at::Tensor& param, const at::Tensor& grad,
+                     const std::vector<at::Tensor>& states, const typename Traits::Options& o,
+                     int64_t step) {
+  kernels::ElementwiseTensor<Traits, T> t;
+  t.param = param.data_ptr<T>();
+  t.grad = grad.data_ptr<T>();
+  for (int k = 0; k < Traits::kStates; ++k) t.state[k] = states[k].data_ptr<T>();
+  t.n = param.numel();
+  // torch 2.x's formulas (lerp) where the optimizers differ from 1.13's.
+  const auto c = Traits::template coeffs<T>(o, step, compat::kAdamLerpsExpAvg);
+  if (t.n == 0) return;
+  if (param.is_cuda()) {
+    TORCH_CHECK(kWithCuda,
+                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+#ifdef DDPX_WITH_CUDA
+    const CudaLaunch launch(param);
+    kernels::elementwise_cuda(t, c, launch.stream());
+#endif
+    return;
+  }
+  at::parallel_for(0, t.n, kElementwiseGrain,
+                   [&](int64_t begin, int64_t end) { kernels::elementwise_cpu(t, c, begin, end); });
+}
+
+}  // namespace
+
+template <typename Traits>
+void elementwise_update(const at::Tensor& param, const at::Tensor& grad,
+                        const std::vector<at::Tensor>& states, const typename Traits::Options& o,
+                        int64_t step) {
+  TORCH_INTERNAL_ASSERT(states.size() == static_cast<size_t>(Traits::kStates));
+  auto like = [&](const at::Tensor& t) {
+    TORCH_INTERNAL_ASSERT(t.defined() && t.device() == param.device() &&
+                              t.scalar_type() == param.scalar_type() &&
+                              t.numel() == param.numel() && t.is_contiguous(),
+                          Traits::kKind, ": tensors must match the parameter and be contiguous");
+  };
+  like(param);
+  like(grad);
+  for (const at::Tensor& s : states) like(s);
+  switch (param.scalar_type()) {
+    case at::kFloat:
+      return run_elementwise<Traits, float>(param, grad, states, o, step);
+    case at::kDouble:
+      return run_elementwise<Traits, double>(param, grad, states, o, step);
+    default:
+      TORCH_INTERNAL_ASSERT(false, Traits::kKind, ": float32 and float64 only");
+  }
+}
+
+#define DDPX_INSTANTIATE(Name)                                              \
+  template void elementwise_update<optim::elementwise::Name>(               \
+      const at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&, \
+      const optim::elementwise::Name::Options&, int64_t);
+DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_INSTANTIATE)
+#undef DDPX_INSTANTIATE
+
+}  // namespace ops
+}  // namespace ddpx
