@@ -6,6 +6,8 @@
   AdamW torch.optim.AdamW() (weight_decay 1e-2)  vs  ddpx._C.FunctionalAdam(decoupled_weight_decay)
   Adagrad torch.optim.Adagrad()                 vs  ddpx._C.FunctionalAdagrad()
   RMSprop torch.optim.RMSprop(momentum=0.9, centered=True)  vs  ddpx._C.FunctionalRMSprop(same)
+  Adadelta, Adamax, Rprop (torch's defaults)     vs  ddpx._C.FunctionalAdadelta / ... (the
+                                                    elementwise optimizers' generic kernels)
 
 torch runs twice: its default implementation (foreach=None: the single-tensor loop on CPU) and
 foreach=True. One step of --mparams Mi fp32 parameters (fractions allowed) split into --tensors
@@ -38,15 +40,12 @@ C = ddpx._C
 def make(name: str, params: List[torch.Tensor], impl: str):
     kw = {"SGD": dict(lr=0.01, momentum=0.9), "Adam": dict(lr=1e-3),
           "AdamW": dict(lr=1e-3, weight_decay=1e-2), "Adagrad": dict(lr=1e-2),
-          "RMSprop": dict(lr=1e-2, momentum=0.9, centered=True)}[name]
+          "RMSprop": dict(lr=1e-2, momentum=0.9, centered=True), "Adadelta": {}, "Adamax": {},
+          "Rprop": {}}[name]
     if impl == "ddpx":
-        if name == "SGD":
-            return C.FunctionalSGD(params, **kw)
-        if name == "Adagrad":
-            return C.FunctionalAdagrad(params, **kw)
-        if name == "RMSprop":
-            return C.FunctionalRMSprop(params, **kw)
-        return C.FunctionalAdam(params, decoupled_weight_decay=name == "AdamW", **kw)
+        if name in ("Adam", "AdamW"):
+            return C.FunctionalAdam(params, decoupled_weight_decay=name == "AdamW", **kw)
+        return getattr(C, "Functional" + name)(params, **kw)
     if impl == "torch-foreach":
         kw["foreach"] = True
     return getattr(torch.optim, name)(params, **kw)

@@ -13,19 +13,22 @@ import itertools
 import math
 import re
 
-import numpy as np  # scripts/requirements-torch2.txt; Debian's python3-numpy
 import pytest
 import torch
 
 import ddpx
 from ddpx.optim import _options
+from test_functional_optim import (
+    DTYPES,
+    STEPS,
+    TOL,
+    exact_sqrt,  # noqa: F401 (a fixture, used by name)
+    rel_err,
+)
 
 C = ddpx._C
-STEPS = 100
-TOL = 1e-6
 SHAPES = [(7,), (3, 5), (64, 33)]
 LARGE = [(40000,), (5,)]  # 40000 spans several threads' ranges
-DTYPES = [torch.float32, torch.float64]
 
 ADADELTA = [dict(lr=lr, rho=rho, eps=eps, weight_decay=wd, maximize=mx)
             for lr, rho, eps, wd, mx in itertools.product(
@@ -76,21 +79,6 @@ def run(name, kw, dtype, steps=STEPS, shapes=SHAPES):
     return theirs, ours, ref, mine
 
 
-def rel_err(got, ref):
-    scale = ref.abs().max().item()
-    return (got - ref).abs().max().item() / (scale if scale > 0 else 1.0)
-
-
-@pytest.fixture
-def exact_sqrt(monkeypatch):
-    """torch's sqrt correctly rounded (numpy's), as ddpx's kernels compute it."""
-    def sqrt(t):
-        return torch.from_numpy(np.sqrt(t.numpy()))
-
-    monkeypatch.setattr(torch.Tensor, "sqrt", sqrt)
-    monkeypatch.setattr(torch.Tensor, "sqrt_", lambda t: t.copy_(sqrt(t)))
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_parity_and_state(case, dtype):
@@ -121,9 +109,10 @@ def test_large_tensors_across_threads(name, dtype):
         assert rel_err(m, r.detach()) <= TOL
 
 
+@pytest.mark.usefixtures("exact_sqrt")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kw", ADADELTA[::3], ids=lambda kw: case_id(("Adadelta", kw)))
-def test_adadelta_bitwise(kw, dtype, exact_sqrt):
+def test_adadelta_bitwise(kw, dtype):
     theirs, ours, ref, mine = run("Adadelta", kw, dtype)
     for i, (m, r) in enumerate(zip(mine, ref)):
         assert torch.equal(m, r.detach())

@@ -109,17 +109,14 @@ struct RMSpropOptions {
   }
 };
 
-using elementwise::AdadeltaOptions;
-using elementwise::AdamaxOptions;
-using elementwise::RpropOptions;
+using elementwise::AdadeltaOptions;  // torch.optim.Adadelta's (elementwise/adadelta.h)
+using elementwise::AdamaxOptions;    // torch.optim.Adamax's (elementwise/adamax.h)
+using elementwise::RpropOptions;     // torch.optim.Rprop's (elementwise/rprop.h)
 
 // The hyper-parameters of any optimizer with a C++ form: the type says which (AdamOptions with
 // decoupled_weight_decay is AdamW; the elementwise optimizers' options after the four).
-#define DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE(Name) , elementwise::Name::Options
-using OptimizerOptions =
-    std::variant<SGDOptions, AdamOptions, AdagradOptions,
-                 RMSpropOptions DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE)>;
-#undef DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE
+using OptimizerOptions = elementwise::detail::VariantWithOptions<SGDOptions, AdamOptions,
+                                                                 AdagradOptions, RMSpropOptions>;
 
 // The torch.optim class `options` stand for, in lower case: "sgd", "adam", "adamw", "adagrad",
 // "rmsprop", or an elementwise optimizer's Traits::kKind ("adamax", ...).
@@ -279,7 +276,7 @@ class FunctionalRMSprop {
 template <typename Traits>
 class FunctionalElementwise {
  public:
-  using Options = typename Traits::Options;
+  using Options = typename Traits::Options;  // its hyper-parameters
   // Validates `opts` (c10::ValueError as torch's); shares the storage of `params`.
   FunctionalElementwise(std::vector<at::Tensor> params, Options opts);
   void step(const std::vector<at::Tensor>& grads);
@@ -295,9 +292,9 @@ class FunctionalElementwise {
   std::vector<int64_t> steps_;
 };
 
-using FunctionalAdadelta = FunctionalElementwise<elementwise::Adadelta>;
-using FunctionalAdamax = FunctionalElementwise<elementwise::Adamax>;
-using FunctionalRprop = FunctionalElementwise<elementwise::Rprop>;
+using FunctionalAdadelta = FunctionalElementwise<elementwise::Adadelta>;  // torch.optim.Adadelta
+using FunctionalAdamax = FunctionalElementwise<elementwise::Adamax>;      // torch.optim.Adamax
+using FunctionalRprop = FunctionalElementwise<elementwise::Rprop>;        // torch.optim.Rprop
 
 }  // namespace optim
 }  // namespace ddpx

@@ -14,12 +14,13 @@ struct Adadelta;
 
 // torch.optim.Adadelta's hyper-parameters.
 struct AdadeltaOptions {
-  using Traits = Adadelta;
+  using Traits = Adadelta;  // the element update these options are for
   double lr = 1.0;          // >= 0; scales the delta
   double rho = 0.9;         // in [0, 1]; smoothing constant of both running averages
   double eps = 1e-6;        // >= 0; added inside both square roots
   double weight_decay = 0;  // >= 0; L2 penalty added to the gradient
   bool maximize = false;    // ascend instead of descend
+  // Calls f(name, field) for every field, named as torch's constructor argument.
   template <typename F>
   void for_each_field(F&& f) {
     f("lr", lr), f("rho", rho), f("eps", eps), f("weight_decay", weight_decay);
@@ -36,17 +37,19 @@ struct AdadeltaOptions {
 };
 
 struct Adadelta {
-  using Options = AdadeltaOptions;
-  static constexpr const char* kName = "Adadelta";
-  static constexpr const char* kKind = "adadelta";
-  static constexpr const char* kOptionsName = "AdadeltaOptions";
-  static constexpr int kStates = 2;
+  using Options = AdadeltaOptions;                  // its hyper-parameters
+  static constexpr const char* kName = "Adadelta";  // the torch.optim class
+  static constexpr const char* kKind = "adadelta";  // its name in lower case (RPC, messages)
+  static constexpr const char* kOptionsName = "AdadeltaOptions";  // the Python options class
+  static constexpr int kStates = 2;                               // state tensors per parameter
+  // torch's state names, in the order element() takes them; a fresh state is zeros.
   static constexpr const char* kStateNames[kStates] = {"square_avg", "acc_delta"};
   static double initial_state(int /*k*/, const Options& /*o*/) { return 0.0; }
 
+  // The options rounded to the element type; flags as 0/1 of it (elementwise::select).
   template <typename T>
   struct Coeffs {
-    T neg_lr, rho, one_minus_rho, eps, weight_decay, has_weight_decay, maximize;
+    T neg_lr, rho, one_minus_rho, eps, weight_decay, has_weight_decay, maximize;  // see coeffs()
   };
   // The same formulas in torch 1.13 and 2.x; the step count is not used.
   template <typename T>

@@ -14,13 +14,14 @@ struct Adamax;
 
 // torch.optim.Adamax's hyper-parameters (torch's betas as beta1 and beta2).
 struct AdamaxOptions {
-  using Traits = Adamax;
+  using Traits = Adamax;    // the element update these options are for
   double lr = 2e-3;         // >= 0
   double beta1 = 0.9;       // in [0, 1)
   double beta2 = 0.999;     // in [0, 1)
   double eps = 1e-8;        // >= 0; added to |grad| before the running maximum
   double weight_decay = 0;  // >= 0; L2 penalty added to the gradient
   bool maximize = false;    // ascend instead of descend
+  // Calls f(name, field) for every field, named as torch's constructor argument.
   template <typename F>
   void for_each_field(F&& f) {
     f("lr", lr), f("beta1", beta1), f("beta2", beta2), f("eps", eps);
@@ -39,11 +40,11 @@ struct AdamaxOptions {
 };
 
 struct Adamax {
-  using Options = AdamaxOptions;
+  using Options = AdamaxOptions;                  // its hyper-parameters
   static constexpr const char* kName = "Adamax";  // the torch.optim class
-  static constexpr const char* kKind = "adamax";
-  static constexpr const char* kOptionsName = "AdamaxOptions";
-  static constexpr int kStates = 2;
+  static constexpr const char* kKind = "adamax";  // its name in lower case (RPC, messages)
+  static constexpr const char* kOptionsName = "AdamaxOptions";  // the Python options class
+  static constexpr int kStates = 2;                             // state tensors per parameter
   // torch's state names, in the order element() takes them; a fresh state is zeros.
   static constexpr const char* kStateNames[kStates] = {"exp_avg", "exp_inf"};
   static double initial_state(int /*k*/, const Options& /*o*/) { return 0.0; }
@@ -52,8 +53,8 @@ struct Adamax {
   // computes it in double: clr = lr / (1 - beta1 ** step).
   template <typename T>
   struct Coeffs {
-    T neg_clr, beta1, one_minus_beta1, lerp_small, beta2, eps, weight_decay;
-    T has_weight_decay, maximize, lerp;
+    T neg_clr, beta1, one_minus_beta1, lerp_small, beta2, eps, weight_decay;  // see coeffs()
+    T has_weight_decay, maximize, lerp;  // flags as 0/1 of the element type
   };
   // step: this update's count (torch's state["step"] after its increment); torch2: torch 2.x's
   // formulas (exp_avg.lerp_), else 1.13's (exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)).

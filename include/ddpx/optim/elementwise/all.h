@@ -10,9 +10,28 @@
 // (tests/python/test_elementwise_optim.py).
 #pragma once
 
+#include <variant>
+
 #include "adadelta.h"
 #include "adamax.h"
 #include "rprop.h"
 
-// X(traits) for every elementwise optimizer (ddpx::optim::elementwise::<traits>).
+// X(Name) for every elementwise optimizer, whose traits are ddpx::optim::elementwise::Name.
 #define DDPX_ELEMENTWISE_OPTIMIZERS(X) X(Adadelta) X(Adamax) X(Rprop)
+
+namespace ddpx {
+namespace optim {
+namespace elementwise {
+namespace detail {
+
+// std::variant<Fixed..., every elementwise optimizer's options>.
+#define DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE(Name) , Name::Options
+template <typename... Fixed>
+using VariantWithOptions =
+    std::variant<Fixed... DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE)>;
+#undef DDPX_ELEMENTWISE_OPTIONS_ALTERNATIVE
+
+}  // namespace detail
+}  // namespace elementwise
+}  // namespace optim
+}  // namespace ddpx

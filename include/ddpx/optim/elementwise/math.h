@@ -13,18 +13,22 @@
 #include <math.h>
 
 #ifdef __CUDACC__
-#define DDPX_OPTIM_INLINE __host__ __device__ __forceinline__
+#define DDPX_OPTIM_INLINE __host__ __device__ __forceinline__  // in CUDA code: for both sides
 #else
-#define DDPX_OPTIM_INLINE inline __attribute__((always_inline))
+#define DDPX_OPTIM_INLINE inline __attribute__((always_inline))  // inlined into the loops
 #endif
 
 namespace ddpx {
 namespace optim {
 namespace elementwise {
 
+// a * b + c rounded once (ATen's add with alpha, addcmul).
 DDPX_OPTIM_INLINE float fmadd(float a, float b, float c) { return fmaf(a, b, c); }
+// a * b + c rounded once, in double.
 DDPX_OPTIM_INLINE double fmadd(double a, double b, double c) { return fma(a, b, c); }
+// The correctly rounded square root (IEEE; torch 1.13's CPU sqrt, numpy's).
 DDPX_OPTIM_INLINE float sqrt_rn(float a) { return sqrtf(a); }
+// The correctly rounded square root, in double.
 DDPX_OPTIM_INLINE double sqrt_rn(double a) { return sqrt(a); }
 // a * b rounded on its own, for a product that an addition then takes as it is (ATen's mul_
 // followed by another op): GCC and nvcc contract `a * b + c` into one fma by default, which would

@@ -13,13 +13,14 @@ struct Rprop;
 
 // torch.optim.Rprop's hyper-parameters (torch's etas and step_sizes pairs as two fields each).
 struct RpropOptions {
-  using Traits = Rprop;
+  using Traits = Rprop;         // the element update these options are for
   double lr = 1e-2;             // >= 0; every element's first step size
   double etaminus = 0.5;        // 0 < etaminus < 1 < etaplus
   double etaplus = 1.2;         // step size factors on a sign change / no change
   double step_size_min = 1e-6;  // the step sizes are clamped to [min, max]
-  double step_size_max = 50;
-  bool maximize = false;  // ascend instead of descend
+  double step_size_max = 50;    // (torch's step_sizes pair)
+  bool maximize = false;        // ascend instead of descend
+  // Calls f(name, field) for every field, named as torch's constructor argument.
   template <typename F>
   void for_each_field(F&& f) {
     f("lr", lr), f("etaminus", etaminus), f("etaplus", etaplus);
@@ -37,18 +38,19 @@ struct RpropOptions {
 };
 
 struct Rprop {
-  using Options = RpropOptions;
-  static constexpr const char* kName = "Rprop";
-  static constexpr const char* kKind = "rprop";
-  static constexpr const char* kOptionsName = "RpropOptions";
-  static constexpr int kStates = 2;
+  using Options = RpropOptions;                  // its hyper-parameters
+  static constexpr const char* kName = "Rprop";  // the torch.optim class
+  static constexpr const char* kKind = "rprop";  // its name in lower case (RPC, messages)
+  static constexpr const char* kOptionsName = "RpropOptions";  // the Python options class
+  static constexpr int kStates = 2;                            // state tensors per parameter
   // prev starts at zero, step_size at lr (torch's full_like(grad, lr)).
   static constexpr const char* kStateNames[kStates] = {"prev", "step_size"};
   static double initial_state(int k, const Options& o) { return k == 1 ? o.lr : 0.0; }
 
+  // The options rounded to the element type; maximize as 0/1 of it (elementwise::select).
   template <typename T>
   struct Coeffs {
-    T etaminus, etaplus, step_size_min, step_size_max, maximize;
+    T etaminus, etaplus, step_size_min, step_size_max, maximize;  // see coeffs()
   };
   // The same formulas in torch 1.13 and 2.x; the step count is not used.
   template <typename T>
