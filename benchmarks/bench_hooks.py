@@ -110,6 +110,15 @@ def available_configs(backend: str, device: torch.device) -> List[str]:
         # torch refuses it without a CUDA build with NCCL >= 2.10, and 1.13's Gloo has no bf16;
         # a torch 2.x CUDA build runs it on Gloo, even without a GPU.
         names.remove("torch_bf16")
+    if device.type == "cuda":
+        # torch's per-channel hook loops in Python over 512-value channels: on the GPU model
+        # (268M gradients) it had not finished one step after 35 s on the H200. Its per-tensor
+        # hook stays, except on Gloo, where both of torch's quantization hooks raise IndexError
+        # on CUDA buckets (quantize_and_allgather indexes a 0-dim tensor; torch 2.11). ddpx's
+        # run on both.
+        names.remove("torch_qchannel")
+        if backend == "gloo":
+            names.remove("torch_qtensor")
     return names
 
 

@@ -373,9 +373,36 @@ for cand in /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc /opt/cuda/bin/nv
   [ -x "$cand" ] && NVCC=$cand
 done
 [ -n "$NVCC" ] && export CUDACXX="$NVCC"
+# The C++ compiler: one that links libstdc++ as a shared library. The GPU machine's first g++ on
+# PATH (/opt/gcc/bin/g++) put a copy of libstdc++ inside ddpx._C: the module then mixed its own
+# iostreams and locale facets with the shared libstdc++ that Python and torch had loaded, and
+# the first `std::ostringstream << int64_t` (PowerSGDState's config line) crashed with SIGSEGV.
+# Each candidate builds a small shared library that uses an ostringstream; the first whose
+# library needs libstdc++.so is taken (CMAKE_CXX_COMPILER, and nvcc's host compiler with it).
+cxx_links_shared_libstdcxx() {  # cxx_links_shared_libstdcxx COMPILER
+  local dir rc
+  dir=$(mktemp -d)
+  printf '#include <sstream>\n#include <string>\nstd::string f(long v) { std::ostringstream o; o << v; return o.str(); }\n' \
+    >"$dir/probe.cpp"
+  "$1" -shared -fPIC -O1 -o "$dir/probe.so" "$dir/probe.cpp" >/dev/null 2>&1 &&
+    readelf -d "$dir/probe.so" 2>/dev/null | grep -q 'NEEDED.*libstdc++'
+  rc=$?
+  rm -rf "$dir"
+  return $rc
+}
+CXX_PICK=""
+for cand in "${CXX:-}" /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14 g++ c++; do
+  [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 || continue
+  if cxx_links_shared_libstdcxx "$(command -v "$cand")"; then
+    CXX_PICK=$(command -v "$cand")
+    break
+  fi
+  echo "gpu_check: $cand links libstdc++ statically into shared libraries: not used"
+done
 run_step preflight "
   set -e
   echo 'nvcc: ${NVCC:-MISSING}'; test -n '$NVCC'
+  echo 'C++ compiler linking libstdc++ as a shared library: ${CXX_PICK:-NONE}'; test -n '$CXX_PICK'
   '$PY' -c 'import os, sysconfig; h = os.path.join(sysconfig.get_paths()[\"include\"], \"Python.h\"); print(\"Python.h:\", h); assert os.path.exists(h)'
   command -v ninja; command -v cmake
   ls /usr/include/gtest/gtest.h /usr/local/include/gtest/gtest.h 2>/dev/null || echo 'GoogleTest: not installed'
@@ -393,6 +420,7 @@ CONFIGURE="cmake -S . -B '$BUILD' -G Ninja -DCMAKE_PREFIX_PATH='$TORCH_PREFIX' \
   -DDDPX_CUDA_ARCHS=${DDPX_GPU_ARCHS:-90} -DDDPX_CUDA=ON -DPython_EXECUTABLE='$PY' \
   -DDDPX_BUILD_BENCHMARKS=OFF -DDDPX_BUILD_EXAMPLES=OFF -DDDPX_BUILD_TESTS=ON \
   -DDDPX_GTEST=OPTIONAL -DDDPX_GTEST_SOURCE_DIR='$ROOT/$GTEST_DIR'"
+[ -n "$CXX_PICK" ] && CONFIGURE="$CONFIGURE -DCMAKE_CXX_COMPILER='$CXX_PICK'"
 [ "$DRY" = 1 ] && CONFIGURE="$CONFIGURE -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON"
 BUILD_OK=0
 GTEST_PROVIDER=none
@@ -405,6 +433,12 @@ if run_step configure "$CONFIGURE"; then
   run_step build "echo 'GoogleTest: ${GTEST_PROVIDER:-none}'; \
     cmake --build '$BUILD' -j $JOBS --target $TARGETS -- -k 0"
   compgen -G "$BUILD/python/ddpx/_C*.so" >/dev/null && BUILD_OK=1
+  # A module without libstdc++.so among its needs carries its own copy (see CXX_PICK above).
+  if [ "$BUILD_OK" = 1 ] && ! readelf -d "$BUILD"/python/ddpx/_C*.so | grep -q 'NEEDED.*libstdc++'; then
+    echo "gpu_check: ddpx._C links libstdc++ statically: its iostreams would crash" | tee -a "$OUT/04_build.log"
+    record build "FAILED(static libstdc++)" 0 "$OUT/04_build.log" 1
+    BUILD_OK=0
+  fi
 else
   skip_step build "configure failed" 1
 fi

@@ -8,7 +8,6 @@
 #include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #ifdef DDPX_WITH_NCCL
@@ -66,7 +65,7 @@ bool backend_available(const std::string& backend) {
   if (backend == "nccl" || backend == "nccl-legacy") return true;
   if (backend == "nccl2" || backend == "nccl-lazy") return detail::nccl2_available();
 #endif
-  return backend == "gloo";
+  return backend == "gloo";  // make_group says so where Gloo's headers were missing
 }
 
 ProcessGroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
@@ -78,9 +77,17 @@ ProcessGroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 #endif
   TORCH_CHECK_VALUE(backend == "gloo", "init_process_group: backend '", backend,
                     "' is not available");
+#if DDPX_HAS_GLOO_GROUP
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   return compat::make_gloo_group(store, rank, size, options);
+#else
+  (void)store, (void)rank, (void)size, (void)timeout;
+  C10_THROW_ERROR(ValueError,
+                  "init_process_group: this build of ddpx has no Gloo backend: Gloo's headers "
+                  "were not found when it was compiled (torch's pip wheels do not ship them; on "
+                  "Debian/Ubuntu install libgloo-dev and rebuild)");
+#endif
 }
 
 }  // namespace

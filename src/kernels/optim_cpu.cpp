@@ -248,6 +248,7 @@ void check_range(int64_t n, int64_t begin, int64_t end, const char* op) {
 
 void sgd_cpu(const SgdTensor& t, DType dtype, const SgdScalars& s, int64_t begin, int64_t end) {
   check_range(t.n, begin, end, "sgd_cpu");
+  if (begin == end) return;  // as the CUDA entry points: no element, no state needed
   if (s.momentum != 0 && t.buf == nullptr) {
     throw std::invalid_argument("ddpx sgd_cpu: momentum needs a buffer");
   }
@@ -263,6 +264,7 @@ void sgd_cpu(const SgdTensor& t, DType dtype, const SgdScalars& s, int64_t begin
 
 void adam_cpu(const AdamTensor& t, DType dtype, const AdamScalars& s, int64_t begin, int64_t end) {
   check_range(t.n, begin, end, "adam_cpu");
+  if (begin == end) return;  // as the CUDA entry points: no element, no state needed
   if (s.amsgrad && t.max_exp_avg_sq == nullptr) {
     throw std::invalid_argument("ddpx adam_cpu: amsgrad needs max_exp_avg_sq");
   }
@@ -279,6 +281,7 @@ void adam_cpu(const AdamTensor& t, DType dtype, const AdamScalars& s, int64_t be
 void adagrad_cpu(const AdagradTensor& t, DType dtype, const AdagradScalars& s, int64_t begin,
                  int64_t end) {
   check_range(t.n, begin, end, "adagrad_cpu");
+  if (begin == end) return;  // as the CUDA entry points: no element, no state needed
   switch (dtype) {
     case DType::kFloat32:
       return optim_ops().adagrad_f32(t, s, begin, end);
@@ -292,6 +295,7 @@ void adagrad_cpu(const AdagradTensor& t, DType dtype, const AdagradScalars& s, i
 void rmsprop_cpu(const RMSpropTensor& t, DType dtype, const RMSpropScalars& s, int64_t begin,
                  int64_t end) {
   check_range(t.n, begin, end, "rmsprop_cpu");
+  if (begin == end) return;  // as the CUDA entry points: no element, no state needed
   if (s.centered && t.grad_avg == nullptr) {
     throw std::invalid_argument("ddpx rmsprop_cpu: centered needs grad_avg");
   }

@@ -201,9 +201,12 @@ double check_against_reference(const Pack<T>& p, const std::vector<T>& out, doub
     EXPECT_LE(err, kTolFactor * scale)
         << what << ": matrix " << k << " (" << p.rows[k] << " x " << p.cols[k] << ", kappa "
         << kappa << ") differs from the reference by " << err;
-    // Orthonormal columns, to the same order (epsilon shrinks norms by about epsilon / norm).
+    // Orthonormal columns, to the same order. Epsilon shrinks each norm by about epsilon / norm,
+    // more than any rounding for a small column, so with epsilon Q^T Q is compared with the
+    // reference's own Gram matrix, which has the same shrinkage.
     const at::Tensor gram = at::mm(q.t(), q);
-    const double ortho = max_abs_diff(gram, at::eye(p.cols[k], at::kDouble));
+    const double ortho =
+        max_abs_diff(gram, epsilon == 0 ? at::eye(p.cols[k], at::kDouble) : at::mm(want.t(), want));
     EXPECT_LE(ortho, 2 * kTolFactor * scale + 1e-7 * (epsilon > 0))
         << what << ": matrix " << k << ": |Q^T Q - I| = " << ortho;
     // Same column space as the input: A - Q Q^T A vanishes (backward stable, kappa-free).
@@ -785,8 +788,12 @@ INSTANTIATE_TEST_SUITE_P(Kernels, OrthogonalizeCuda, ::testing::ValuesIn(kOrthoC
 // CPU's.
 TEST(OrthogonalizeCudaEpsilon, TinyColumnStaysFiniteAndUnitNorm) {
   DDPX_SKIP_WITHOUT_GPU();
-  Pack<float> p = make_pack<float>({{4, 2}}, 5);
+  Pack<float> p;  // one 4 x 2 matrix at offset 0, no gaps (make_pack would add some)
   p.data = tiny_column_input();
+  p.offsets = {0};
+  p.rows = {4};
+  p.cols = {2};
+  p.is_gap.assign(p.data.size(), false);
   for (int64_t tall_min_rows : {int64_t{-1}, int64_t{1}}) {
     SCOPED_TRACE(tall_min_rows < 0 ? "one block per matrix" : "tall");
     std::vector<float> gpu = p.data, cpu = p.data;
@@ -814,7 +821,9 @@ TEST(OrthogonalizeCudaFallback, RefusedCooperativeLaunchTakesOneBlockPerMatrix) 
   run_cuda(p, refused, 0.0, 1, &why);
   k::refuse_cooperative_launches_for_testing(false);
   if (::testing::Test::HasFatalFailure()) return;
-  EXPECT_EQ(why, cudaErrorInvalidConfiguration) << cudaGetErrorString(why);
+  // The runtime's reason varies (CUDA 13 on an H200 says cudaErrorInvalidValue for an empty
+  // grid); that it was refused is what the fallback acts on.
+  EXPECT_NE(why, cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(refused.size(), one_block.size());
   EXPECT_EQ(std::memcmp(refused.data(), one_block.data(), refused.size() * sizeof(float)), 0);

@@ -634,21 +634,26 @@ def test_cuda_adagrad_rmsprop(name, dtype):
     cpu = make_params(dtype, shapes=shapes)
     cuda = [p.cuda() for p in cpu]
     ref = [p.clone().requires_grad_(True) for p in cuda]
+    ref_cpu = [p.clone().requires_grad_(True) for p in cpu]
     ours_cpu, ours_cuda = factory(cpu), factory(cuda)
-    opt = cls(ref, foreach=False, **kw)
+    opt, opt_cpu = cls(ref, foreach=False, **kw), cls(ref_cpu, foreach=False, **kw)
     for step in range(STEPS):
         grads = grads_for(cpu, step)
         ours_cpu.step(grads)
         ours_cuda.step([g.cuda() for g in grads])
-        for p, g in zip(ref, grads):
-            p.grad = g.cuda()
+        for p, q, g in zip(ref, ref_cpu, grads):
+            p.grad, q.grad = g.cuda(), g.clone()
         opt.step()
+        opt_cpu.step()
     # The centered case at alpha 0.3 is the one RMSPROP_BITWISE_ONLY keeps bit for bit on CPU:
-    # torch's own rounding noise there grows past TOL over 100 steps, and its CUDA kernels need
-    # not round as its CPU ones do. Bit for bit against the CPU kernels, and 1e-5 from torch.
-    tol = 1e-5 if name == "RMSprop-centered" else TOL
+    # torch's own rounding noise there (square_avg - grad_avg^2 cancels) grows past TOL over 100
+    # steps, and torch's CUDA kernels need not round as its CPU ones do (nvcc contracts a*b+c into
+    # FMAs), while ddpx's CUDA kernels round as its CPU ones. So there ddpx on CUDA may be as far
+    # from torch on CUDA as torch's own CPU result is (measured on an H200: 1.4e-5 in float32).
+    gap = max(rel_err(q.detach().cuda(), r.detach()) for q, r in zip(ref_cpu, ref))
+    tol = max(1e-5, 2 * gap) if name == "RMSprop-centered" else TOL
     for a, b, r in zip(cuda, cpu, ref):
         assert torch.equal(a.cpu(), b)
-        assert rel_err(a, r.detach()) <= tol
+        assert rel_err(a, r.detach()) <= tol, (rel_err(a, r.detach()), gap)
     for st in ours_cuda.state():
         assert all(t.is_cuda for k, t in st.items() if k != "step")

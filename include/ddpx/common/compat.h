@@ -24,8 +24,19 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-#ifdef USE_C10D_GLOO  // ProcessGroupGloo.hpp declares its class only then (as when torch is built)
+// ProcessGroupGloo.hpp declares its class only with USE_C10D_GLOO (as when torch is built), and
+// it includes Gloo's own headers, which torch's pip wheels do not ship. CUDA builds of torch
+// define USE_C10D_GLOO for every program through their CMake targets, so the macro alone does not
+// say that the header compiles: Gloo's headers must be found too (Debian/Ubuntu: libgloo-dev).
+#if defined(USE_C10D_GLOO) && defined(__has_include)
+#if __has_include(<gloo/algorithm.h>)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+// 1 where this header declares make_gloo_group (torch's ProcessGroupGloo is usable), else 0.
+#define DDPX_HAS_GLOO_GROUP 1
+#endif
+#endif
+#ifndef DDPX_HAS_GLOO_GROUP
+#define DDPX_HAS_GLOO_GROUP 0
 #endif
 
 // True when the torch ddpx compiles against is at least major.minor: the one version test,
@@ -221,7 +232,7 @@ inline bool takes_cpu_tensors(const c10d::ProcessGroup& pg) {
 #endif
 }
 
-#ifdef USE_C10D_GLOO
+#if DDPX_HAS_GLOO_GROUP
 // A Gloo process group for `rank` of `size` over `store` (construction is a rendezvous: every
 // rank must construct its group concurrently). Ranks that are threads of one process should call
 // disable_flight_recorder_for_thread_ranks() first.
