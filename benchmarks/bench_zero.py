@@ -346,7 +346,7 @@ def _worker(rank, args, backend, world, port, out_path):
         grads = make_grads(base)
         nparams = sum(p.numel() for p in base)
         for bv in args.views:
-            slots = adam_slots(classes, labels, base, grads, bv)
+            slots = adam_slots(classes, labels, base, grads, bv, args.optimizer)
             g = gather(time_rounds(slots, args.rounds, args.steps), world)
             st = {lab: job_stats(g, lab) for lab in labels}
             if len(labels) == 2:
@@ -386,9 +386,12 @@ def _worker(rank, args, backend, world, port, out_path):
     dist.destroy_process_group()
 
 
-def adam_slots(classes, labels, base, grads, bv: bool) -> Dict[str, Slot]:
-    """One Adam ZeRO slot per label over copies of base, after one step (Adam's state exists)."""
-    slots = {lab: Slot(base, grads, make_zero(classes[lab], torch.optim.Adam, bv, lr=1e-3))
+def adam_slots(classes, labels, base, grads, bv: bool, optimizer: str = "Adam"
+               ) -> Dict[str, Slot]:
+    """One ZeRO slot per label over copies of base with torch.optim.<optimizer>(lr=1e-3) (Adam
+    unless --optimizer names another), after one step (the state exists)."""
+    cls = getattr(torch.optim, optimizer)
+    slots = {lab: Slot(base, grads, make_zero(classes[lab], cls, bv, lr=1e-3))
              for lab in labels}
     with torch.no_grad():
         for s in slots.values():
@@ -586,7 +589,8 @@ def render(run: dict) -> str:
     P = res.get("params")
     if P:
         L.append(f"model: {i['layers']} x nn.Linear({i['width']},{i['width']}) = {P / 1e6:.1f}M "
-                 f"fp32 params ({mib(P * 4)} MiB), Adam(lr=1e-3); unsharded Adam state "
+                 f"fp32 params ({mib(P * 4)} MiB), {i.get('optimizer', 'Adam')}(lr=1e-3) in "
+                 f"the steps section; unsharded Adam state "
                  f"{mib(2 * P * 4)} MiB")
     L.append("")
 
@@ -748,6 +752,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test (~25-50 s): {QUICK}; explicit options still win")
     p.add_argument("--world-size", type=int, default=2, help="Gloo ranks")
+    p.add_argument("--optimizer", default="Adam",
+                   help="the torch.optim class of the steps section (lr=1e-3): Adam (default), "
+                        "or e.g. Adamax, Adadelta, Rprop, whose shard steps ddpx runs in its "
+                        "elementwise kernels")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (0: default)")
     p.add_argument("--bucket-views", default="0,1",
                    help="parameters_as_bucket_view values (0/1) for sections 1 and 4")
@@ -837,7 +845,7 @@ def main(argv=None) -> int:
         "threads_per_rank": args.threads or torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "impls": args.impl_list, "labels": args.labels,
         "sections": args.section_list, "views": [str(v) for v in args.views],
-        "quick": args.quick, "ddpx": ddpx_path,
+        "quick": args.quick, "ddpx": ddpx_path, "optimizer": args.optimizer,
         **{k: getattr(args, k) for k in FULL},
         "wall_s": time.perf_counter() - t0,
         "date_utc": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M:%S"),

@@ -37,3 +37,36 @@ class CudaLaunch {
 }  // namespace ops
 }  // namespace ddpx
 #endif  // DDPX_WITH_CUDA
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace ddpx {
+namespace ops {
+
+// An elementwise update of `n` elements of `param`'s tensors: `on_cuda(stream)` on the current
+// stream of param's CUDA device, or `on_cpu(begin, end)` over ranges of at least `grain` elements
+// split across ATen's intra-op threads. Nothing runs for n == 0. (on_cuda is never called, and
+// may be anything callable, in a build without CUDA, where a CUDA parameter is refused.)
+template <typename OnCuda, typename OnCpu>
+void run_elementwise(const at::Tensor& param, int64_t n, int64_t grain, OnCuda&& on_cuda,
+                     OnCpu&& on_cpu) {
+  if (n == 0) return;
+  if (param.is_cuda()) {
+    TORCH_CHECK(kWithCuda,
+                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+#ifdef DDPX_WITH_CUDA
+    const CudaLaunch launch(param);
+    std::forward<OnCuda>(on_cuda)(launch.stream());
+#endif
+    return;
+  }
+  at::parallel_for(0, n, grain, std::forward<OnCpu>(on_cpu));
+}
+
+}  // namespace ops
+}  // namespace ddpx

@@ -19,9 +19,9 @@ namespace {
 constexpr int64_t kElementwiseGrain = 32768;
 
 template <typename Traits, typename T>
-void run_elementwise(const at::Tensor& param, const at::Tensor& grad,
-                     const std::vector<at::Tensor>& states, const typename Traits::Options& o,
-                     int64_t step) {
+void update_as(const at::Tensor& param, const at::Tensor& grad,
+               const std::vector<at::Tensor>& states, const typename Traits::Options& o,
+               int64_t step) {
   kernels::ElementwiseTensor<Traits, T> t;
   t.param = param.data_ptr<T>();
   t.grad = grad.data_ptr<T>();
@@ -29,18 +29,15 @@ void run_elementwise(const at::Tensor& param, const at::Tensor& grad,
   t.n = param.numel();
   // torch 2.x's formulas (lerp) where the optimizers differ from 1.13's.
   const auto c = Traits::template coeffs<T>(o, step, compat::kAdamLerpsExpAvg);
-  if (t.n == 0) return;
-  if (param.is_cuda()) {
-    TORCH_CHECK(kWithCuda,
-                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+  run_elementwise(
+      param, t.n, kElementwiseGrain,
+      [&](auto stream) {
 #ifdef DDPX_WITH_CUDA
-    const CudaLaunch launch(param);
-    kernels::elementwise_cuda(t, c, launch.stream());
+        kernels::elementwise_cuda(t, c, stream);
 #endif
-    return;
-  }
-  at::parallel_for(0, t.n, kElementwiseGrain,
-                   [&](int64_t begin, int64_t end) { kernels::elementwise_cpu(t, c, begin, end); });
+        (void)stream;
+      },
+      [&](int64_t begin, int64_t end) { kernels::elementwise_cpu(t, c, begin, end); });
 }
 
 }  // namespace
@@ -61,9 +58,9 @@ void elementwise_update(const at::Tensor& param, const at::Tensor& grad,
   for (const at::Tensor& s : states) like(s);
   switch (param.scalar_type()) {
     case at::kFloat:
-      return run_elementwise<Traits, float>(param, grad, states, o, step);
+      return update_as<Traits, float>(param, grad, states, o, step);
     case at::kDouble:
-      return run_elementwise<Traits, double>(param, grad, states, o, step);
+      return update_as<Traits, double>(param, grad, states, o, step);
     default:
       TORCH_INTERNAL_ASSERT(false, Traits::kKind, ": float32 and float64 only");
   }

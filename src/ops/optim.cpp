@@ -67,18 +67,15 @@ void cuda_all(const kernels::RMSpropTensor& t, kernels::DType dt, const kernels:
 // intra-op threads on CPU.
 template <typename KTensor, typename KScalars>
 void run(const at::Tensor& param, const KTensor& t, kernels::DType dt, const KScalars& s) {
-  if (t.n == 0) return;
-  if (param.is_cuda()) {
-    TORCH_CHECK(kWithCuda,
-                "ddpx was built without CUDA support; rebuild with a CUDA-enabled torch");
+  run_elementwise(
+      param, t.n, kGrain,
+      [&](auto stream) {
 #ifdef DDPX_WITH_CUDA
-    const CudaLaunch launch(param);
-    cuda_all(t, dt, s, launch.stream());
+        cuda_all(t, dt, s, stream);
 #endif
-    return;
-  }
-  at::parallel_for(0, t.n, kGrain,
-                   [&](int64_t begin, int64_t end) { cpu_range(t, dt, s, begin, end); });
+        (void)stream;
+      },
+      [&](int64_t begin, int64_t end) { cpu_range(t, dt, s, begin, end); });
 }
 
 }  // namespace

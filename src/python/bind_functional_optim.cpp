@@ -236,8 +236,17 @@ void bind_elementwise(py::module& m) {
           "). Validated when built (torch's ValueErrors); immutable; picklable.")
              .c_str());
   std::string state_names;
-  for (const char* s : Traits::kStateNames)
+  py::tuple state_tuple(Traits::kStates);
+  for (int k = 0; k < Traits::kStates; ++k) {
+    const char* s = Traits::kStateNames[k];
     state_names += std::string(state_names.empty() ? "" : ", ") + s;
+    state_tuple[k] = py::str(s);
+  }
+  // What ZeRO's step needs to run this optimizer on torch's state: the per-element state's keys
+  // (torch's names, in the step function's order) and the step function's name.
+  py::object options_class = m.attr(Traits::kOptionsName);
+  options_class.attr("state_names") = state_tuple;
+  options_class.attr("step_function") = py::str(std::string(Traits::kKind) + "_step");
   m.def(
       (std::string(Traits::kKind) + "_step").c_str(),
       [](const py::object& params, const py::object& grads, const py::dict& state,

@@ -111,7 +111,11 @@ def rank_reduce_scatter(rank: int, world_size: int):
     backend = dist.get_backend()
     for cls, kw in OPTIMIZERS:
         for mode in ("unsharded", "sorted_greedy", "balanced", "overlap"):
-            model = _model()
+            # float64, as test_zero_reduce_scatter.py: torch's CUDA Adam and ddpx's kernel round
+            # differently (nvcc contracts torch's a*b+c into FMAs), and in float32 Adam carried
+            # that to 1.1e-5 (Gloo) and 4.0e-5 (NCCL) after 3 steps on an H200, with SGD bit for
+            # bit, so the hook's gradients were the same.
+            model = _model().double()
             ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.5)
             if mode == "unsharded":
                 opt = cls(ddp.parameters(), **kw)
@@ -126,7 +130,7 @@ def rank_reduce_scatter(rank: int, world_size: int):
             side = torch.cuda.Stream()
             for step in range(3):
                 g = torch.Generator().manual_seed(40 + 7 * step + rank)
-                x = torch.randn(8, 64, generator=g).cuda()
+                x = torch.randn(8, 64, generator=g, dtype=torch.float64).cuda()
                 opt.zero_grad()
                 with torch.cuda.stream(side):  # a busy side stream while the hook runs
                     busy = torch.randn(1024, 1024, device="cuda") @ torch.randn(1024, 1024,
@@ -148,4 +152,4 @@ def rank_reduce_scatter(rank: int, world_size: int):
 @pytest.mark.parametrize("backend,world_size", [("gloo", 2), ("nccl", 1)])
 def test_cuda_reduce_scatter_hook_matches_allreduce(backend, world_size):
     for errs in run_ranks(rank_reduce_scatter, world_size, backend=backend, timeout=300):
-        assert all(err <= 1e-5 for err in errs.values()), errs
+        assert all(err <= 1e-10 for err in errs.values()), errs

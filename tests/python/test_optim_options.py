@@ -224,15 +224,20 @@ def test_zero_groups_are_named_and_typed():
 
 # ---- the fused ZeRO step takes the structs ------------------------------------------------------
 
+# (class, arguments, what _fused_step returned at each of the 3 steps)
 FUSED_CASES = [
-    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), True),
-    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True), True),
-    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), True),
-    (torch.optim.RMSprop, dict(lr=1e-2), False),  # a C++ form, but no fused ZeRO step
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), [True] * 3),
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True), [True] * 3),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), [True] * 3),
+    (torch.optim.RMSprop, dict(lr=1e-2), [False] * 3),  # a C++ form, but no ZeRO step
+    # The elementwise optimizers: torch's first step makes the state, ddpx's steps after it.
+    (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1), [False, True, True]),
+    (torch.optim.Adamax, dict(lr=1e-2, maximize=True), [False, True, True]),
+    (torch.optim.Rprop, dict(lr=1e-2, etas=(0.4, 1.3), foreach=True), [False, True, True]),
 ]
 if _ADAM_HAS_DECOUPLING:
     FUSED_CASES.append((torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1,
-                                               decoupled_weight_decay=True), True))
+                                               decoupled_weight_decay=True), [True] * 3))
 
 
 def _fused_rank(rank, world_size):
@@ -256,13 +261,30 @@ def _fused_rank(rank, world_size):
                 o.step()
         err = max(((a - b).abs().max() / b.abs().max()).item()
                   for a, b in zip(model.parameters(), ref.parameters()))
-        out.append((took, err))
+        # This rank's state as the unsharded optimizer's, key for key (the step's type too).
+        state_err = 0.0
+        index = {p: i for i, p in enumerate(model.parameters())}
+        refs = list(ref.parameters())
+        for group in zero.optim.param_groups:
+            for p in group["params"]:
+                mine, theirs = zero.optim.state[p], plain.state[refs[index[p]]]
+                assert mine.keys() == theirs.keys(), (cls.__name__, mine.keys(), theirs.keys())
+                for k, v in theirs.items():
+                    w = mine[k]
+                    assert type(w) is type(v), (cls.__name__, k, type(w), type(v))
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        state_err = max(state_err, ((w - v).abs().max()
+                                                    / v.abs().max().clamp_min(1e-30)).item())
+                    else:
+                        assert float(w) == float(v), (cls.__name__, k, w, v)
+        out.append((took, err, state_err))
     return out
 
 
 def test_fused_zero_step_takes_the_structs():
     from dist_utils import run_ranks
     for rank_out in run_ranks(_fused_rank, 2):
-        for (cls, kwargs, fused), (took, err) in zip(FUSED_CASES, rank_out):
-            assert took == [fused] * 3, (cls.__name__, kwargs, took)
+        for (cls, kwargs, fused), (took, err, state_err) in zip(FUSED_CASES, rank_out):
+            assert took == fused, (cls.__name__, kwargs, took)
             assert err <= 1e-6, (cls.__name__, kwargs, err)
+            assert state_err <= 1e-6, (cls.__name__, kwargs, state_err)

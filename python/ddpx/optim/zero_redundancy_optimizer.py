@@ -1,6 +1,6 @@
 """``ddpx.optim.ZeroRedundancyOptimizer``: torch's ``ZeroRedundancyOptimizer`` (ZeRO stage 1) over
 ddpx's C++ engine (``ddpx/optim/zero.h``: partition, bucket views, parameter exchange, bulk state
-gather) and its fused SGD / Adam / AdamW kernels."""
+gather), its fused SGD / Adam / AdamW kernels and the elementwise optimizers' kernels."""
 import copy
 import logging
 import pickle
@@ -601,10 +601,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def _fused_step(self, subset: Optional[List[int]] = None) -> bool:
-        """The fused update-and-exchange for SGD / Adam / AdamW. False, having done nothing,
+        """The fused update-and-exchange for SGD / Adam / AdamW, and ddpx's step then the exchange
+        for the elementwise optimizers (Adadelta, Adamax, Rprop). False, having done nothing,
         where the local optimizer's own step must run: another class, an option the kernels lack
         (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
-        tensors they cannot take (checked in C++: dtype, layout, shapes)."""
+        tensors they cannot take (dtype, layout, shapes)."""
         optim = self.optim
         if _compat.optimizer_has_step_hooks(optim):
             return False
@@ -613,12 +614,60 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         options = []
         for group in optim.param_groups:
             o, _ = cpp_options(type(optim), group)
-            if not isinstance(o, (_C.SGDOptions, _C.AdamOptions)):  # the fused steps ZeRO has
+            if o is None:
                 return False
             options.append(o)
         if isinstance(options[0], _C.SGDOptions):
             return self._fused_sgd(options, subset)
-        return self._fused_adam(options, subset)
+        if isinstance(options[0], _C.AdamOptions):
+            return self._fused_adam(options, subset)
+        if hasattr(options[0], "step_function"):  # an elementwise optimizer's traits
+            return self._elementwise_step(options, subset)
+        return False  # a C++ form (Adagrad, RMSprop) without a ZeRO step yet
+
+    def _elementwise_step(self, options: list, subset: Optional[List[int]]) -> bool:
+        """ddpx's step of an elementwise optimizer (its traits: the options' ``state_names`` and
+        ``step_function``) on torch's state, in place, then the exchange. Torch's own step runs
+        while any parameter has no state yet, so that the state is made as that torch version
+        makes it (its ``step``'s type included, which is kept)."""
+        optim = self.optim
+        names = type(options[0]).state_names
+        work = []
+        for group, o in zip(optim.param_groups, options):
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [optim.state[p] for p in params]
+            for p, st in zip(params, states):
+                g = p.grad
+                if (len(st) == 0 or "step" not in st or g.is_sparse
+                        or p.dtype not in (torch.float32, torch.float64) or g.dtype != p.dtype
+                        or g.device != p.device or not p.is_contiguous()
+                        or not g.is_contiguous()):
+                    return False
+                for k in names:
+                    t = st.get(k)
+                    if (not isinstance(t, torch.Tensor) or t.dtype != p.dtype
+                            or t.device != p.device or t.shape != p.shape
+                            or not t.is_contiguous()):
+                        return False
+            work.append((params, states, o))
+        step = getattr(_C, type(options[0]).step_function)
+        for params, states, o in work:
+            if not params:
+                continue
+            old = [st["step"] for st in states]
+            counts = [int(v.item()) if isinstance(v, torch.Tensor) else int(v) for v in old]
+            new, counts = step(params, [p.grad for p in params],
+                               {k: [st[k] for st in states] for k in names}, counts, options=o)
+            for k in names:  # the same tensors, updated in place; kept should that change
+                for st, t in zip(states, new[k]):
+                    st[k] = t
+            for st, v, n in zip(states, old, counts):
+                if isinstance(v, torch.Tensor):
+                    v.fill_(n)
+                else:
+                    st["step"] = type(v)(n)
+        self._shards.exchange(subset)
+        return True
 
     def _fused_sgd(self, options: list, subset: Optional[List[int]]) -> bool:
         state = self.optim.state
