@@ -656,11 +656,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 continue
             old = [st["step"] for st in states]
             counts = [int(v.item()) if isinstance(v, torch.Tensor) else int(v) for v in old]
-            new, counts = step(params, [p.grad for p in params],
-                               {k: [st[k] for st in states] for k in names}, counts, options=o)
-            for k in names:  # the same tensors, updated in place; kept should that change
-                for st, t in zip(states, new[k]):
-                    st[k] = t
+            # The state tensors (all present: checked above) are updated in place.
+            _, counts = step(params, [p.grad for p in params],
+                             {k: [st[k] for st in states] for k in names}, counts, options=o)
             for st, v, n in zip(states, old, counts):
                 if isinstance(v, torch.Tensor):
                     v.fill_(n)
