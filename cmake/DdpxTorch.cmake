@@ -57,11 +57,28 @@ foreach(_cand IN LISTS _ddpx_py_candidates)
 endforeach()
 if(DDPX_PYTHON)
   message(STATUS "ddpx: Python with torch: ${DDPX_PYTHON}")
-  list(APPEND CMAKE_PREFIX_PATH "${DDPX_TORCH_CMAKE_PREFIX}")
   set(Python_EXECUTABLE "${DDPX_PYTHON}" CACHE FILEPATH "Python with torch" FORCE)
   set(PYTHON_EXECUTABLE "${DDPX_PYTHON}" CACHE FILEPATH "Python with torch" FORCE)
   # <torch>/share/cmake -> <torch>
   get_filename_component(DDPX_TORCH_ROOT "${DDPX_TORCH_CMAKE_PREFIX}/../.." ABSOLUTE)
+  # What an installed ddpx's package config names: the torch itself, not the link below.
+  set(DDPX_TORCH_CONFIG_DIR "${DDPX_TORCH_ROOT}/share/cmake/Torch")
+  # ccache reuses an object only for the same command line, and a pip torch's include path
+  # names its venv and Python (.venv/lib/python3.11/..., .venv-py3.13/lib/python3.13/...), so
+  # each Python's build of one torch compiled the library again. Through a link in the build
+  # tree to torch's site-packages, every build tree of the checkout passes the same path
+  # (relative under CCACHE_BASEDIR: torch-site/torch/include). The link is to site-packages,
+  # not to torch, so that torch/../nvidia (the CUDA wheels) resolves through it as well.
+  if(EXISTS "${DDPX_TORCH_CONFIG_DIR}/TorchConfig.cmake" AND NOT DDPX_NO_TORCH_LINK)
+    get_filename_component(_ddpx_site "${DDPX_TORCH_ROOT}" DIRECTORY)
+    get_filename_component(_ddpx_torch_name "${DDPX_TORCH_ROOT}" NAME)
+    set(_ddpx_link "${CMAKE_BINARY_DIR}/torch-site")
+    file(REMOVE "${_ddpx_link}")
+    file(CREATE_LINK "${_ddpx_site}" "${_ddpx_link}" SYMBOLIC)
+    set(DDPX_TORCH_ROOT "${_ddpx_link}/${_ddpx_torch_name}")
+    set(DDPX_TORCH_CMAKE_PREFIX "${DDPX_TORCH_ROOT}/share/cmake")
+  endif()
+  list(APPEND CMAKE_PREFIX_PATH "${DDPX_TORCH_CMAKE_PREFIX}")
   ddpx_pin_torch_libraries("${DDPX_TORCH_ROOT}")
 endif()
 
@@ -74,6 +91,9 @@ ddpx_select_cuda_archs()
 find_package(Torch REQUIRED)
 if(NOT DDPX_TORCH_ROOT)
   set(DDPX_TORCH_ROOT "${TORCH_INSTALL_PREFIX}")
+endif()
+if(NOT DDPX_TORCH_CONFIG_DIR)
+  set(DDPX_TORCH_CONFIG_DIR "${Torch_DIR}")
 endif()
 ddpx_fix_torch_link("${DDPX_TORCH_ROOT}")
 ddpx_torch_cxx_standard(DDPX_CXX_STANDARD)

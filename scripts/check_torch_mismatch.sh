@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The real thing behind tests/python/test_loader.py: import the ddpx built for one torch line
-# under another line's torch (the venvs and build trees scripts/test.sh makes), and require an
+# under another line's torch (the venvs and build trees scripts/test.sh makes; the 2.11 line's
+# module is its pip build, CI builds no CMake tree there), and require an
 # ImportError that names both versions and says how to rebuild. Pairs of the same Python
 # version: the newest torch and Debian's 1.13 (Python 3.11) both ways, the newest and 2.11
 # (Python 3.12) both ways. Run by .ci/run after the lines; skips a pair whose build or venv is
@@ -36,6 +37,6 @@ check() {  # check VENV_PYTHON BUILD_PYTHON_DIR
 }
 check .venv/bin/python build-debian/python
 check .venv-debian/bin/python build/python
-check .venv-py3.12/bin/python build-2.11-py3.12/python
+check .venv-py3.12/bin/python build-pip-2.11-py3.12/python
 check .venv-2.11-py3.12/bin/python build-pip-py3.12/python
 exit $status

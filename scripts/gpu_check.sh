@@ -379,6 +379,8 @@ done
 # the first `std::ostringstream << int64_t` (PowerSGDState's config line) crashed with SIGSEGV.
 # Each candidate builds a small shared library that uses an ostringstream; the first whose
 # library needs libstdc++.so is taken (CMAKE_CXX_COMPILER, and nvcc's host compiler with it).
+# CMake's own choice (CXX, else c++ on PATH) comes first: ccache keys on the compiler's name,
+# so the same name as CI's other builds lets the dry run take their objects from the cache.
 cxx_links_shared_libstdcxx() {  # cxx_links_shared_libstdcxx COMPILER
   local dir rc
   dir=$(mktemp -d)
@@ -391,7 +393,7 @@ cxx_links_shared_libstdcxx() {  # cxx_links_shared_libstdcxx COMPILER
   return $rc
 }
 CXX_PICK=""
-for cand in "${CXX:-}" /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14 g++ c++; do
+for cand in "${CXX:-}" c++ /usr/bin/c++ /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14 g++; do
   [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 || continue
   if cxx_links_shared_libstdcxx "$(command -v "$cand")"; then
     CXX_PICK=$(command -v "$cand")

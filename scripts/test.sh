@@ -17,6 +17,7 @@
 # DDPX_MULTINODE=1 runs tests/multinode (jobs across network namespaces, scripts/multinode.py;
 # skipped with the reason where the machine allows none) after the suite; its default is
 # 1 on the newest torch with python3 (the README's command), 0 on the other lines.
+# DDPX_MULTINODE_EXIT_RUNS (default 20) is how many runs in a row its clean-exit test makes.
 # Extra arguments go to pytest (e.g. -k powersgd, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
