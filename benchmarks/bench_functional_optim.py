@@ -6,7 +6,7 @@
   AdamW torch.optim.AdamW() (weight_decay 1e-2)  vs  ddpx._C.FunctionalAdam(decoupled_weight_decay)
   Adagrad torch.optim.Adagrad()                 vs  ddpx._C.FunctionalAdagrad()
   RMSprop torch.optim.RMSprop(momentum=0.9, centered=True)  vs  ddpx._C.FunctionalRMSprop(same)
-  Adadelta, Adamax, Rprop (torch's defaults)     vs  ddpx._C.FunctionalAdadelta / ... (the
+  Adadelta, Adamax, RAdam, Rprop (torch's defaults)  vs  ddpx._C.FunctionalAdadelta / ... (the
                                                     elementwise optimizers' generic kernels)
 
 torch runs twice: its default implementation (foreach=None: the single-tensor loop on CPU) and
@@ -41,7 +41,7 @@ def make(name: str, params: List[torch.Tensor], impl: str):
     kw = {"SGD": dict(lr=0.01, momentum=0.9), "Adam": dict(lr=1e-3),
           "AdamW": dict(lr=1e-3, weight_decay=1e-2), "Adagrad": dict(lr=1e-2),
           "RMSprop": dict(lr=1e-2, momentum=0.9, centered=True), "Adadelta": {}, "Adamax": {},
-          "Rprop": {}}[name]
+          "RAdam": {}, "Rprop": {}}[name]
     if impl == "ddpx":
         if name in ("Adam", "AdamW"):
             return C.FunctionalAdam(params, decoupled_weight_decay=name == "AdamW", **kw)

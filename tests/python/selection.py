@@ -43,8 +43,15 @@ def record(items) -> None:
         if module in _patterns and _patterns[module] is None:
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
-        formatted = {p.format(**params) for p in marker.args}
+        # A parameter is a literal: its brackets and stars match themselves.
+        literal = {k: _escape(v) if isinstance(v, str) else v for k, v in params.items()}
+        formatted = {p.format(**literal) for p in marker.args}
         _patterns.setdefault(module, set()).update(formatted)
+
+
+def _escape(text: str) -> str:
+    """`text` as an fnmatch pattern that matches only itself."""
+    return "".join(f"[{c}]" if c in "[]*?" else c for c in text)
 
 
 def wanted(module: str, names: Sequence[str]) -> List[str]:

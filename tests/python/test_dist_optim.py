@@ -30,6 +30,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
 import ddpx
+import selection
 from ddpx.optim import DistributedOptimizer
 from dist_utils import run_ranks
 
@@ -124,6 +125,7 @@ def _torch_suite_rank(rank, world_size, init_file, names):
     return results
 
 
+@pytest.mark.cases()
 @pytest.mark.parametrize("name", TORCH_TESTS)
 def test_torch_dist_optimizer_suite(name):
     # One launch per test: torch runs each in fresh processes (RRefs left over from one test
@@ -155,6 +157,7 @@ CONFIGS = [
     (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.1)),
     (torch.optim.Adamax, dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, maximize=True)),
     (torch.optim.Rprop, dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-4, 1.0))),
+    (torch.optim.RAdam, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
 ]
 # torch's own DistributedOptimizer cannot build Adam(decoupled_weight_decay=True) (its
 # _FunctionalAdam lacks the argument: a TypeError on the owners); ddpx's runs it as AdamW, the
@@ -189,11 +192,14 @@ def _train(cls, dist_optim_cls, kwargs, tag, device="cpu", n=3):
     return initial, [rpc.rpc_sync(f"worker{k}", _get_param, args=(f"{tag}{k}",)) for k in (1, 2)]
 
 
-def _differential_rank(rank, world_size, init_file):
+def _differential_rank(rank, world_size, init_file, wanted):
+    """wanted: the CONFIGS indices to train (as strings: selection's case names)."""
     _init_rpc(rank, world_size, init_file)
     out = {}
     if rank == 0:
         for i, (cls, kwargs) in enumerate(CONFIGS):
+            if str(i) not in wanted:
+                continue
             torch_cls, torch_kwargs = TORCH_EQUIVALENT.get(i, (cls, kwargs))
             theirs = _train(torch_cls, TorchDistributedOptimizer, torch_kwargs, f"t{i}_")
             ours = _train(cls, DistributedOptimizer, kwargs, f"d{i}_")
@@ -211,12 +217,14 @@ def _differential_rank(rank, world_size, init_file):
 
 @pytest.fixture(scope="module")
 def differential_results():
-    return _run(_differential_rank, 3)[0]
+    wanted = selection.wanted(__name__, [str(i) for i in range(len(CONFIGS))])
+    return _run(_differential_rank, 3, wanted)[0]
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)),
                          ids=[f"{c.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items())}"
                               for c, kw in CONFIGS])
+@pytest.mark.cases("{i}")
 def test_matches_torch(differential_results, i):
     (initial, theirs), (initial_ours, ours) = differential_results[i]
     for a, b in zip(initial, initial_ours):
@@ -278,6 +286,7 @@ def _PARAMS_get(key):
     return _PARAMS[key]
 
 
+@pytest.mark.cases()
 def test_concurrent_trainers_lose_no_update():
     start, final = _run(_concurrent_rank, 3)[2]
     expected = start - 0.001 * 4 * CONCURRENT_STEPS
@@ -341,6 +350,7 @@ def _gil_rank(rank, world_size, init_file):
     return timings
 
 
+@pytest.mark.cases()
 def test_native_step_does_not_wait_for_the_owners_gil():
     timings = _run(_gil_rank, 2)[0]
     print({k: [round(t, 4) for t in v] for k, v in timings.items()})
@@ -394,6 +404,7 @@ def _no_torchscript_rank(rank, world_size, init_file):
     return report
 
 
+@pytest.mark.cases()
 def test_steps_need_no_torchscript():
     report = _run(_no_torchscript_rank, 2)[0]
     assert report["native"]
@@ -451,6 +462,7 @@ def _fallback_and_errors_rank(rank, world_size, init_file):
     return report
 
 
+@pytest.mark.cases()
 def test_fallback_and_bad_input():
     report = _run(_fallback_and_errors_rank, 2)[0]
     assert len(report["warnings"]) == 1, report["warnings"]
@@ -472,6 +484,7 @@ def _drop_local_optimizers():
 
 
 # ---- the model-parallel example ------------------------------------------------------------
+@pytest.mark.cases()
 def test_model_parallel_example(tmp_path):
     """examples/train_digits_rpc.py under torchrun (3 workers, 1 epoch, a small MLP): ddpx's
     and torch's DistributedOptimizer rows end with identical weights, and training learns."""
@@ -533,6 +546,7 @@ def _dead_owner_rank(rank, world_size, init_file):
     return report
 
 
+@pytest.mark.cases()
 def test_owner_shut_down_is_a_clear_error():
     report = _run(_dead_owner_rank, 3)[0]
     for what in ("step", "init"):

@@ -112,3 +112,17 @@ def test_selection_launches_what_the_selected_tests_read(monkeypatch):
     assert selection.wanted("not collected", names) == names
     cases = [(n, "fn", {}) for n in names]
     assert selection.wanted_cases("m", cases) == [cases[3], cases[4], cases[5]]
+
+
+def test_selection_takes_parameters_literally(monkeypatch):
+    """A parameter's brackets and stars are characters of a case name (torch's test ids), not
+    a pattern: the formatted marker matches that one name, and the marker's own stars still
+    match many."""
+    import selection
+    monkeypatch.setattr(selection, "_patterns", {})
+    names = ["parity[Adam-maximize=False]", "parity[Adam-maximize=True]", "parityA", "p*", "pq"]
+    selection.record([_Item("m", ("{name}",), name="parity[Adam-maximize=False]"),
+                      _Item("m", ("{name}",), name="p*"),
+                      _Item("n", ("parity[[]{kind}*",), kind="Adam")])
+    assert selection.wanted("m", names) == ["parity[Adam-maximize=False]", "p*"]
+    assert selection.wanted("n", names) == names[:2]

@@ -1,4 +1,4 @@
-"""The elementwise optimizers (ddpx/optim/elementwise/all.h: Adadelta, Adamax, Rprop), each one
+"""The elementwise optimizers (ddpx/optim/elementwise/all.h: Adadelta, Adamax, RAdam, Rprop), each one
 header of traits over the generic loop, kernel, functional class and bindings, against
 torch.optim's single-tensor implementation: 100 steps on the same random gradients (some zero,
 so Rprop's sign cases all occur), every option that changes the arithmetic, float32 and float64,
@@ -6,9 +6,10 @@ several shapes; the state in torch's layout and loaded from torch's; the step fu
 input; CUDA against the CPU (where a GPU is present).
 
 Parity: <= 1e-6 relative, and bit for bit where torch's operations are IEEE-rounded: always for
-Adamax and Rprop (no square root), and for Adadelta with torch's sqrt made correctly rounded
-(test_functional_optim's exact_sqrt: pip's torch 2.x CPU sqrt is not; 1.13's is).
+Adamax and Rprop (no square root), and for Adadelta and RAdam with torch's sqrt made correctly
+rounded (test_functional_optim's exact_sqrt: pip's torch 2.x CPU sqrt is not; 1.13's is).
 """
+import inspect
 import itertools
 import math
 import re
@@ -40,10 +41,23 @@ ADAMAX = [dict(lr=lr, betas=b, eps=eps, weight_decay=wd, maximize=mx)
 RPROP = [dict(lr=lr, etas=etas, step_sizes=ss, maximize=mx)
          for lr, etas, ss, mx in itertools.product(
              [1e-2, 0.2], [(0.5, 1.2), (0.3, 1.9)], [(1e-6, 50), (1e-3, 0.05)], [False, True])]
+# betas[1] 0.5: rho_inf = 3, never rectified; 0.999: rectified from step 6 on. Decoupled decay
+# and maximize where this torch's RAdam has them (2.x).
+_RADAM_ARGS = inspect.signature(torch.optim.RAdam).parameters
+_RADAM_EXTRA = [{}] + [{k: True} for k in ("decoupled_weight_decay", "maximize")
+                       if k in _RADAM_ARGS]
+RADAM = [dict(lr=lr, betas=b, eps=1e-8, weight_decay=wd, **extra)
+         for lr, b, wd, extra in itertools.product(
+             [1e-3, 0.05], [(0.9, 0.999), (0.3, 0.5)], [0.0, 0.1], _RADAM_EXTRA)]
 CASES = ([("Adadelta", kw) for kw in ADADELTA] + [("Adamax", kw) for kw in ADAMAX] +
-         [("Rprop", kw) for kw in RPROP])
+         [("RAdam", kw) for kw in RADAM] + [("Rprop", kw) for kw in RPROP])
 STATE = {"Adadelta": ["square_avg", "acc_delta"], "Adamax": ["exp_avg", "exp_inf"],
-         "Rprop": ["prev", "step_size"]}
+         "RAdam": ["exp_avg", "exp_avg_sq"], "Rprop": ["prev", "step_size"]}
+NAMES = list(STATE)
+WITH_SQRT = {"Adadelta", "RAdam"}  # torch 2.x's CPU sqrt is not correctly rounded
+# A case per optimizer with its options on (decay, maximize, ...), for the tests of the machinery.
+SOME = {"Adadelta": ADADELTA[-1], "Adamax": ADAMAX[-1], "Rprop": RPROP[-1],
+        "RAdam": [kw for kw in RADAM if kw["betas"] == (0.9, 0.999) and kw["weight_decay"]][-1]}
 
 
 def case_id(case):
@@ -86,7 +100,7 @@ def test_parity_and_state(case, dtype):
     theirs, ours, ref, mine = run(name, kw, dtype)
     for m, r in zip(mine, ref):
         assert rel_err(m, r.detach()) <= TOL
-        if name != "Adadelta":  # no square root: every operation IEEE-rounded in both
+        if name not in WITH_SQRT:  # every operation IEEE-rounded in both
             assert torch.equal(m, r.detach())
     state = ours.state()
     for i, p in enumerate(ref):
@@ -96,14 +110,15 @@ def test_parity_and_state(case, dtype):
         assert state[i]["step"].dtype == torch.float32
         for k in STATE[name]:
             # Adadelta's acc_delta carries torch 2.x's sqrt rounding (up to ~1.2e-6 relative in
-            # float32); test_adadelta_bitwise checks it exactly with a correctly rounded sqrt.
+            # float32); test_bitwise_with_exact_sqrt checks it exactly with a correctly rounded
+            # sqrt.
             assert rel_err(state[i][k], t[k]) <= (1e-5 if name == "Adadelta" else TOL), k
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", ["Adadelta", "Adamax", "Rprop"])
+@pytest.mark.parametrize("name", NAMES)
 def test_large_tensors_across_threads(name, dtype):
-    kw = {"Adadelta": ADADELTA[-1], "Adamax": ADAMAX[-1], "Rprop": RPROP[-1]}[name]
+    kw = SOME[name]
     _, _, ref, mine = run(name, kw, dtype, steps=20, shapes=LARGE)
     for m, r in zip(mine, ref):
         assert rel_err(m, r.detach()) <= TOL
@@ -111,18 +126,20 @@ def test_large_tensors_across_threads(name, dtype):
 
 @pytest.mark.usefixtures("exact_sqrt")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kw", ADADELTA[::3], ids=lambda kw: case_id(("Adadelta", kw)))
-def test_adadelta_bitwise(kw, dtype):
-    theirs, ours, ref, mine = run("Adadelta", kw, dtype)
+@pytest.mark.parametrize("case", [("Adadelta", kw) for kw in ADADELTA[::3]] +
+                         [("RAdam", kw) for kw in RADAM], ids=case_id)
+def test_bitwise_with_exact_sqrt(case, dtype):
+    name, kw = case
+    theirs, ours, ref, mine = run(name, kw, dtype)
     for i, (m, r) in enumerate(zip(mine, ref)):
         assert torch.equal(m, r.detach())
-        for k in STATE["Adadelta"]:
+        for k in STATE[name]:
             assert torch.equal(ours.state()[i][k], theirs.state[r][k]), k
 
 
-@pytest.mark.parametrize("name", ["Adadelta", "Adamax", "Rprop"])
+@pytest.mark.parametrize("name", NAMES)
 def test_load_torchs_state_and_continue(name):
-    kw = {"Adadelta": ADADELTA[5], "Adamax": ADAMAX[7], "Rprop": RPROP[6]}[name]
+    kw = SOME[name]
     theirs, _, ref, _ = run(name, kw, torch.float64, steps=7)
     mine = [p.detach().clone() for p in ref]
     ours = getattr(C, "Functional" + name)(mine, **kw)
@@ -137,9 +154,9 @@ def test_load_torchs_state_and_continue(name):
         assert rel_err(m, r.detach()) <= TOL
 
 
-@pytest.mark.parametrize("name", ["Adadelta", "Adamax", "Rprop"])
+@pytest.mark.parametrize("name", NAMES)
 def test_step_function_matches_class_and_skips_missing_grads(name):
-    kw = {"Adadelta": ADADELTA[3], "Adamax": ADAMAX[5], "Rprop": RPROP[3]}[name]
+    kw = SOME[name]
     a, b = make_params(torch.float32), make_params(torch.float32)
     frozen = a[1].clone()
     ours = getattr(C, "Functional" + name)(a, **kw)
@@ -173,6 +190,8 @@ BAD = [("Adadelta", dict(lr=-1.0)), ("Adadelta", dict(rho=1.5)), ("Adadelta", di
        ("Adadelta", dict(weight_decay=-0.1)), ("Adamax", dict(lr=-0.5)),
        ("Adamax", dict(betas=(1.0, 0.9))), ("Adamax", dict(betas=(0.9, -0.1))),
        ("Adamax", dict(eps=-1.0)), ("Adamax", dict(weight_decay=-1.0)),
+       ("RAdam", dict(lr=-1e-3)), ("RAdam", dict(betas=(0.9, 1.0))),
+       ("RAdam", dict(eps=-1e-8)), ("RAdam", dict(weight_decay=-0.5)),
        ("Rprop", dict(lr=-1.0)), ("Rprop", dict(etas=(1.5, 2.0))),
        ("Rprop", dict(etas=(0.5, 0.9)))]
 
@@ -192,7 +211,7 @@ def test_options_refuse_what_torch_refuses_with_its_message(name, kw):
         getattr(C, "Functional" + name)([torch.zeros(2)], **kw)
 
 
-@pytest.mark.parametrize("name", ["Adadelta", "Adamax", "Rprop"])
+@pytest.mark.parametrize("name", NAMES)
 def test_options_are_torchs_defaults_and_go_through_the_table(name):
     cls = getattr(torch.optim, name)
     p = torch.zeros(2, requires_grad=True)
@@ -228,7 +247,7 @@ def test_bad_input():
 
 
 def test_nan_reaches_the_parameter_as_torchs_does():
-    for name in ("Adadelta", "Adamax", "Rprop"):
+    for name in NAMES:
         ref = torch.ones(4, requires_grad=True)
         mine = torch.ones(4)
         theirs = getattr(torch.optim, name)([ref], foreach=False)
@@ -244,9 +263,9 @@ def test_nan_reaches_the_parameter_as_torchs_does():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not C.with_cuda, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", ["Adadelta", "Adamax", "Rprop"])
+@pytest.mark.parametrize("name", NAMES)
 def test_cuda_equals_cpu(name, dtype):
-    kw = {"Adadelta": ADADELTA[9], "Adamax": ADAMAX[11], "Rprop": RPROP[5]}[name]
+    kw = SOME[name]
     cpu = make_params(dtype)
     cuda = [p.cuda() for p in cpu]
     a = getattr(C, "Functional" + name)(cpu, **kw)

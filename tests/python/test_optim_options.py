@@ -81,7 +81,8 @@ def test_param_group_and_constructor_arguments_give_the_same_struct(case):
 
 def test_the_table():
     names = _options.cpp_optimizer_names()
-    assert names == ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "Rprop")
+    assert names == ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "RAdam",
+                     "Rprop")
     for name in names:
         assert _options.has_cpp_form(getattr(torch.optim, name))
         assert _options.is_elementwise(getattr(torch.optim, name))
@@ -233,6 +234,7 @@ FUSED_CASES = [
     # The elementwise optimizers: torch's first step makes the state, ddpx's steps after it.
     (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1), [False, True, True]),
     (torch.optim.Adamax, dict(lr=1e-2, maximize=True), [False, True, True]),
+    (torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1), [False, True, True]),
     (torch.optim.Rprop, dict(lr=1e-2, etas=(0.4, 1.3), foreach=True), [False, True, True]),
 ]
 if _ADAM_HAS_DECOUPLING:

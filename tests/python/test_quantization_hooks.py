@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_cases as dc
 import ddpx
+import selection
 from dist_utils import run_ranks
 
 ITERATIONS = 3  # iteration 0: DDP's single initial bucket; 1 and 2: rebuilt, several buckets
@@ -61,11 +62,15 @@ def _aligned_model(dtype: torch.dtype) -> nn.Module:
                          nn.Linear(32, 16, bias=False)).to(dtype)
 
 
-def rank_quant_grads(rank: int, world_size: int, dtype: torch.dtype, model_name: str):
-    """grads[(kind, bucket_size)][iteration] for torch's hook and ddpx's two registrations."""
+def rank_quant_grads(rank: int, world_size: int, dtype: torch.dtype, model_name: str,
+                     names=None):
+    """grads[(kind, bucket_size)][iteration] for torch's hook and ddpx's two registrations;
+    names: the cases "KIND/BUCKET_SIZE" to run (None: every one)."""
     out = {}
     for bucket_size in BUCKET_SIZES:
         for kind in ("torch", "dropin", "native"):
+            if names is not None and f"{kind}/{bucket_size}" not in names:
+                continue
             if model_name == "mlp":
                 # One bucket: torch's hook issues its second all_gather from the first one's
                 # callback, so with several buckets in flight its ranks issue collectives in
@@ -95,9 +100,13 @@ SCENARIOS = [
 ]
 
 
+CASES = [f"{kind}/{b}" for b in BUCKET_SIZES for kind in ("torch", "dropin", "native")]
+
+
 @functools.lru_cache(maxsize=None)
 def quant_grads(world_size: int, dtype: torch.dtype, model_name: str):
-    return run_ranks(rank_quant_grads, world_size, args=(dtype, model_name))
+    names = selection.wanted(__name__, CASES)
+    return run_ranks(rank_quant_grads, world_size, args=(dtype, model_name, names))
 
 
 # torch 1.13's quantization hooks move their buffers with .cuda(): without a GPU they cannot
@@ -108,6 +117,7 @@ needs_torchs_hooks = pytest.mark.skipif(
 
 
 @needs_torchs_hooks
+@pytest.mark.cases("torch/{bucket_size}", "{mode}/{bucket_size}")
 @pytest.mark.parametrize("world_size,dtype,model_name", SCENARIOS,
                          ids=[f"W{w}-{str(d)[6:]}-{m}" for w, d, m in SCENARIOS])
 @pytest.mark.parametrize("bucket_size", BUCKET_SIZES, ids=["pertensor", "perchannel512",
@@ -144,6 +154,7 @@ def rank_nan(rank: int, world_size: int):
 
 
 @needs_torchs_hooks
+@pytest.mark.cases()
 def test_nan_reaches_every_rank_as_torchs():
     res = run_ranks(rank_nan, 2)
     for rank in range(2):
@@ -156,6 +167,7 @@ def test_nan_reaches_every_rank_as_torchs():
         assert torch.isnan(res[rank]["dropin"]).all()
 
 
+@pytest.mark.cases()
 def test_signatures_are_torchs():
     for name in ("quantization_pertensor_hook", "quantization_perchannel_hook"):
         ours = inspect.signature(getattr(ddpx.hooks, name))
@@ -168,6 +180,7 @@ def test_signatures_are_torchs():
 
 @pytest.mark.parametrize("bucket_size,error", [
     (0, ValueError), (-3, ValueError), ("16", TypeError), (16.0, TypeError), (True, TypeError)])
+@pytest.mark.cases()
 def test_bad_bucket_size(bucket_size, error):
     with pytest.raises(error, match="bucket_size"):
         ddpx.hooks.quantization_perchannel_hook(None, None, bucket_size)
@@ -176,6 +189,7 @@ def test_bad_bucket_size(bucket_size, error):
                                                  bucket_size=bucket_size))
 
 
+@pytest.mark.cases()
 def test_partial_needs_keywords_of_a_ddpx_hook():
     with pytest.raises(TypeError, match="keyword arguments"):
         ddpx.hooks.native_hook(functools.partial(ddpx.hooks.quantization_perchannel_hook, None))
@@ -192,6 +206,7 @@ def rank_wrong_state(rank: int, world_size: int):
     return catch(lambda: ddpx.register_comm_hook(ddp, 3, ddpx.hooks.quantization_pertensor_hook))
 
 
+@pytest.mark.cases()
 def test_wrong_state_type_is_a_type_error():
     (err,) = run_ranks(rank_wrong_state, 1)
     assert err is not None and err[0] == "TypeError", err

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import SGD, AdamW
 
+import selection
 from ddpx.optim import ZeroRedundancyOptimizer
 from dist_utils import run_ranks
 
@@ -578,11 +579,13 @@ CASES = {
 }
 
 
-def rank_cases(rank, world_size):
-    """Runs every case of this world size; {case name: None or the traceback}. A case that fails
-    on one rank may leave the others waiting in a collective: Gloo's timeout then fails them."""
+def rank_cases(rank, world_size, names):
+    """Runs the named cases of this world size; {case name: None or the traceback}. A case that
+    fails on one rank may leave the others waiting in a collective: Gloo's timeout then fails
+    them."""
     out = {}
-    for name, fn in CASES[world_size].items():
+    for name in names:
+        fn = CASES[world_size][name]
         try:
             fn(rank, world_size)
             out[name] = None
@@ -594,7 +597,8 @@ def rank_cases(rank, world_size):
 
 @functools.lru_cache(maxsize=None)
 def _results(world_size):
-    return run_ranks(rank_cases, world_size, timeout=120, collective_timeout_s=20)
+    names = selection.wanted(__name__, list(CASES[world_size]))
+    return run_ranks(rank_cases, world_size, args=(names,), timeout=120, collective_timeout_s=20)
 
 
 def _check(world_size, name):
@@ -611,6 +615,7 @@ XFAIL = {}
                  marks=[pytest.mark.xfail(strict=True, reason=XFAIL[(ws, n)])]
                  if (ws, n) in XFAIL else [])
     for ws, n in PARAMS])
+@pytest.mark.cases("{name}")
 def test_torch_zero_suite(world_size, name):
     """Ported from torch's test_<name> (see CASES): one pytest item per torch test and world
     size."""

@@ -109,9 +109,11 @@ struct RMSpropOptions {
   }
 };
 
-using elementwise::AdadeltaOptions;  // torch.optim.Adadelta's (elementwise/adadelta.h)
-using elementwise::AdamaxOptions;    // torch.optim.Adamax's (elementwise/adamax.h)
-using elementwise::RpropOptions;     // torch.optim.Rprop's (elementwise/rprop.h)
+// ddpx::optim::<Name>Options for every elementwise optimizer (AdadeltaOptions, AdamaxOptions,
+// RAdamOptions, RpropOptions: torch.optim.<Name>'s, elementwise/<name>.h).
+#define DDPX_ELEMENTWISE_OPTIONS_NAME(Name) using elementwise::Name##Options;
+DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_ELEMENTWISE_OPTIONS_NAME)
+#undef DDPX_ELEMENTWISE_OPTIONS_NAME
 
 // The hyper-parameters of any optimizer with a C++ form: the type says which (AdamOptions with
 // decoupled_weight_decay is AdamW; the elementwise optimizers' options after the four).
@@ -292,9 +294,12 @@ class FunctionalElementwise {
   std::vector<int64_t> steps_;
 };
 
-using FunctionalAdadelta = FunctionalElementwise<elementwise::Adadelta>;  // torch.optim.Adadelta
-using FunctionalAdamax = FunctionalElementwise<elementwise::Adamax>;      // torch.optim.Adamax
-using FunctionalRprop = FunctionalElementwise<elementwise::Rprop>;        // torch.optim.Rprop
+// ddpx::optim::Functional<Name> for every elementwise optimizer (FunctionalAdadelta,
+// FunctionalAdamax, FunctionalRAdam, FunctionalRprop: torch.optim.<Name>).
+#define DDPX_FUNCTIONAL_ELEMENTWISE_NAME(Name) \
+  using Functional##Name = FunctionalElementwise<elementwise::Name>;
+DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_FUNCTIONAL_ELEMENTWISE_NAME)
+#undef DDPX_FUNCTIONAL_ELEMENTWISE_NAME
 
 }  // namespace optim
 }  // namespace ddpx

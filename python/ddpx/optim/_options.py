@@ -41,7 +41,7 @@ _TABLE = {
     "Adamax": _Form(True, _C.AdamaxOptions),
     "ASGD": _Form(True, None),
     "NAdam": _Form(True, None),
-    "RAdam": _Form(True, None),
+    "RAdam": _Form(True, _C.RAdamOptions),
     "Rprop": _Form(True, _C.RpropOptions),
     "LBFGS": _Form(False, None),
     "SparseAdam": _Form(False, None),

@@ -19,8 +19,8 @@ C++ at once and releases the GIL there, with a one-time warning: correct, but it
 GIL briefly a few times per step.
 
 Optimizer classes with a C++ form (``ddpx.optim._options``' table): ``torch.optim.SGD``,
-``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``, ``Rprop``. Any other falls
-back to running torch's optimizer in Python on the owners, as torch's non-scripted path does,
+``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``, ``RAdam``, ``Rprop``. Any
+other falls back to running torch's optimizer in Python on the owners, as torch's non-scripted path does,
 with a one-time warning naming the reason.
 """
 import inspect
@@ -180,8 +180,8 @@ class DistributedOptimizer:
     a parameter update; as with torch, the gradients a step applies need not be those of the
     latest forward pass on that worker, and there is no ordering across workers.
 
-    ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``
-    and ``Rprop`` run as ddpx's C++ functional optimizers (every argument of torch's: lr,
+    ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``,
+    ``RAdam`` and ``Rprop`` run as ddpx's C++ functional optimizers (every argument of torch's: lr,
     momentum, dampening, nesterov, weight_decay, betas, eps, amsgrad, decoupled_weight_decay,
     lr_decay, initial_accumulator_value, alpha, centered, rho, etas, step_sizes, maximize;
     ``foreach`` is ignored). The arguments

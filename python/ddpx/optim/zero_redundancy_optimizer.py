@@ -602,7 +602,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fused_step(self, subset: Optional[List[int]] = None) -> bool:
         """The fused update-and-exchange for SGD / Adam / AdamW, and ddpx's step then the exchange
-        for the elementwise optimizers (Adadelta, Adamax, Rprop). False, having done nothing,
+        for the elementwise optimizers (Adadelta, Adamax, RAdam, Rprop). False, having done nothing,
         where the local optimizer's own step must run: another class, an option the kernels lack
         (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
         tensors they cannot take (dtype, layout, shapes)."""

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "checks.h"
 #include "math.h"
 
 namespace ddpx {
@@ -27,15 +28,10 @@ struct AdamaxOptions {
     f("lr", lr), f("beta1", beta1), f("beta2", beta2), f("eps", eps);
     f("weight_decay", weight_decay), f("maximize", maximize);
   }
-  // Calls fail(parts...) with torch's message for the first value its constructor refuses
-  // (`not 0.0 <= x`: NaN too).
+  // Calls fail(parts...) with torch's message for the first value its constructor refuses.
   template <typename Fail>
   void check(Fail&& fail) const {
-    if (!(0.0 <= lr)) fail("Invalid learning rate: ", lr);
-    if (!(0.0 <= eps)) fail("Invalid epsilon value: ", eps);
-    if (!(0.0 <= beta1 && beta1 < 1.0)) fail("Invalid beta parameter at index 0: ", beta1);
-    if (!(0.0 <= beta2 && beta2 < 1.0)) fail("Invalid beta parameter at index 1: ", beta2);
-    if (!(0.0 <= weight_decay)) fail("Invalid weight_decay value: ", weight_decay);
+    check_adam_family(fail, lr, eps, beta1, beta2, weight_decay);
   }
 };
 

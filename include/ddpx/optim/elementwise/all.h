@@ -14,10 +14,11 @@
 
 #include "adadelta.h"
 #include "adamax.h"
+#include "radam.h"
 #include "rprop.h"
 
 // X(Name) for every elementwise optimizer, whose traits are ddpx::optim::elementwise::Name.
-#define DDPX_ELEMENTWISE_OPTIMIZERS(X) X(Adadelta) X(Adamax) X(Rprop)
+#define DDPX_ELEMENTWISE_OPTIMIZERS(X) X(Adadelta) X(Adamax) X(RAdam) X(Rprop)
 
 namespace ddpx {
 namespace optim {
