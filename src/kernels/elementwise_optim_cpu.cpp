@@ -26,8 +26,11 @@ DDPX_OPTIM_INLINE void loop(const ElementwiseTensor<Traits, T>& t,
   T* st[K];
   for (int k = 0; k < K; ++k) st[k] = t.state[k];
     // Values go through locals, loaded and stored unconditionally, so the element function's
-    // selects stay selects and the loop vectorises (the tensors do not overlap: simd is safe).
-#pragma omp simd
+    // selects stay selects and the loop vectorises. ivdep, not `omp simd`: under -fopenmp-simd
+    // GCC 12 makes the per-iteration array s[] an "omp simd array" and then vectorises nothing
+    // (no vector type for its loads), while ivdep only asserts what holds (the tensors do not
+    // overlap) and leaves s[] to scalar replacement.
+#pragma GCC ivdep
   for (int64_t i = begin; i < end; ++i) {
     T pi = p[i];
     T s[K];

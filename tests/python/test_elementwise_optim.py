@@ -1,5 +1,5 @@
-"""The elementwise optimizers (ddpx/optim/elementwise/all.h: Adadelta, Adamax, RAdam, Rprop), each one
-header of traits over the generic loop, kernel, functional class and bindings, against
+"""The elementwise optimizers (ddpx/optim/elementwise/all.h: Adadelta, Adamax, RAdam, Rprop),
+each one header of traits over the generic loop, kernel, functional class and bindings, against
 torch.optim's single-tensor implementation: 100 steps on the same random gradients (some zero,
 so Rprop's sign cases all occur), every option that changes the arithmetic, float32 and float64,
 several shapes; the state in torch's layout and loaded from torch's; the step functions; bad
@@ -13,6 +13,7 @@ import inspect
 import itertools
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -277,3 +278,21 @@ def test_cuda_equals_cpu(name, dtype):
     torch.cuda.synchronize()
     for x, y in zip(cpu, cuda):
         assert torch.equal(x, y.cpu())
+
+
+def test_cpu_loop_is_vectorised():
+    """The generic loop steps Adamax (4 streams over memory, as Adam) at about the speed of the
+    hand-written Adam kernel: both vectorised and memory-bound. A loop GCC leaves scalar took 3
+    times as long (45 against 14 ms for 16Mi parameters), which 2x catches. Ratios of two ddpx
+    steps in one process, the best of 7 each, interleaved: load slows both."""
+    n = 1 << 22
+    ts = [torch.randn(n) for _ in range(2)]
+    grads = [torch.randn(n)]
+    adamax, adam = C.FunctionalAdamax([ts[0]]), C.FunctionalAdam([ts[1]])
+    best = {"adamax": math.inf, "adam": math.inf}
+    for _ in range(7):
+        for name, opt in (("adamax", adamax), ("adam", adam)):
+            t0 = time.perf_counter()
+            opt.step(grads)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    assert best["adamax"] < 2.0 * best["adam"], best

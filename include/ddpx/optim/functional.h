@@ -109,8 +109,8 @@ struct RMSpropOptions {
   }
 };
 
-// ddpx::optim::<Name>Options for every elementwise optimizer (AdadeltaOptions, AdamaxOptions,
-// RAdamOptions, RpropOptions: torch.optim.<Name>'s, elementwise/<name>.h).
+// Every elementwise optimizer's options in ddpx::optim too: AdadeltaOptions, AdamaxOptions,
+// RAdamOptions, RpropOptions (torch.optim.Adadelta's, ...; elementwise/adadelta.h, ...).
 #define DDPX_ELEMENTWISE_OPTIONS_NAME(Name) using elementwise::Name##Options;
 DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_ELEMENTWISE_OPTIONS_NAME)
 #undef DDPX_ELEMENTWISE_OPTIONS_NAME
@@ -294,8 +294,8 @@ class FunctionalElementwise {
   std::vector<int64_t> steps_;
 };
 
-// ddpx::optim::Functional<Name> for every elementwise optimizer (FunctionalAdadelta,
-// FunctionalAdamax, FunctionalRAdam, FunctionalRprop: torch.optim.<Name>).
+// Every elementwise optimizer's functional class: FunctionalAdadelta, FunctionalAdamax,
+// FunctionalRAdam, FunctionalRprop (torch.optim.Adadelta, ...).
 #define DDPX_FUNCTIONAL_ELEMENTWISE_NAME(Name) \
   using Functional##Name = FunctionalElementwise<elementwise::Name>;
 DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_FUNCTIONAL_ELEMENTWISE_NAME)

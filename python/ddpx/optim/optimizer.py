@@ -20,8 +20,8 @@ GIL briefly a few times per step.
 
 Optimizer classes with a C++ form (``ddpx.optim._options``' table): ``torch.optim.SGD``,
 ``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``, ``RAdam``, ``Rprop``. Any
-other falls back to running torch's optimizer in Python on the owners, as torch's non-scripted path does,
-with a one-time warning naming the reason.
+other falls back to running torch's optimizer in Python on the owners, as torch's non-scripted
+path does, with a one-time warning naming the reason.
 """
 import inspect
 import threading

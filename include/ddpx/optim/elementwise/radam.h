@@ -54,8 +54,8 @@ struct RAdam {
   template <typename T>
   struct Coeffs {
     T lr, bias_correction1, sqrt_bias_correction2, rect, eps, beta1, one_minus_beta1;  // coeffs()
-    T lerp_small, beta2, one_minus_beta2, weight_decay, decay;                          // coeffs()
-    T rectify, has_l2, has_decay, maximize, lerp;  // flags
+    T lerp_small, beta2, one_minus_beta2, weight_decay, decay;                         // coeffs()
+    T rectify, has_l2, has_decay, maximize, lerp;                                      // flags
   };
   // step: this update's count (torch's state["step"] after its increment); torch2: torch 2.x's
   // formulas (exp_avg.lerp_, `x ** 0.5`), else 1.13's (exp_avg.mul_(beta1).add_(grad,
@@ -74,8 +74,8 @@ struct RAdam {
     const bool rectify = rho_t > 5.0;
     double rect = 0.0;
     if (rectify) {
-      const double r = (rho_t - 4.0) * (rho_t - 2.0) * rho_inf /
-                       ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t);
+      const double r =
+          (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t);
       rect = torch2 ? std::pow(r, 0.5) : std::sqrt(r);
     }
     Coeffs<T> c;
