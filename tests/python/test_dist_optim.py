@@ -37,7 +37,15 @@ from dist_utils import run_ranks
 RPC_TIMEOUT_S = 60
 
 
+def _stacks_on_abort():
+    """Aborts print every thread's C++ stack (torch's fatal-signal handler; nothing until a
+    signal): an exception thrown in a C++ thread of a worker (RPC's, an owner's step) ends it with
+    `terminate called`, and the stacks name the thread."""
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
+
+
 def _init_rpc(rank, world_size, init_file, timeout=RPC_TIMEOUT_S):
+    _stacks_on_abort()
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}",
                                            rpc_timeout=timeout)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
@@ -79,6 +87,8 @@ def _torch_suite_rank(rank, world_size, init_file, names):
     import importlib.util
     import types
     import unittest
+
+    _stacks_on_abort()
 
     # torch.testing._internal.common_utils imports expecttest (a test-only PyPI package torch
     # does not depend on) for expect-file tests these do not use: a stand-in when it is missing.
