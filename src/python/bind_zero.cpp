@@ -120,6 +120,52 @@ void bind_zero(py::module& m) {
       "ddpx's balanced ZeRO partition: per parameter (in order), its pieces as (begin, end, "
       "owner) over its flattened elements; each rank holds an even share of the elements.");
 
+  py::class_<optim::ZeroLayout, std::shared_ptr<optim::ZeroLayout>>(
+      m, "ZeroLayout",
+      "ZeRO's partition (shared with the C++ ZeroRedundancyOptimizer): which rank steps which "
+      "parameter or piece, the units each local optimizer holds, the gradient binding of split "
+      "parameters.")
+      .def(py::init([](int64_t world_size, int64_t rank, const std::string& partition, bool flatten,
+                       int64_t align) {
+             TORCH_CHECK_VALUE(partition == "sorted_greedy" || partition == "balanced",
+                               "ZeroLayout: partition must be 'sorted_greedy' or 'balanced', "
+                               "got '",
+                               partition, "'");
+             const auto kind = partition == "balanced" ? optim::ZeroPartition::kBalanced
+                                                       : optim::ZeroPartition::kSortedGreedy;
+             return py_owned(new optim::ZeroLayout(world_size, rank, kind, flatten, align));
+           }),
+           py::arg("world_size"), py::arg("rank"), py::arg("partition"), py::kw_only(),
+           py::arg("flatten") = false, py::arg("align") = optim::kZeroBalancedAlign)
+      .def(
+          "add_group",
+          [](optim::ZeroLayout& self, const py::object& params) {
+            return self.add_group(tensor_list(params, "params"));
+          },
+          py::arg("params"), "Partitions a new parameter group; returns its index.")
+      .def("assign", &optim::ZeroLayout::assign, py::arg("per_rank"),
+           "torch's params_per_rank: rank r steps the (single) group's parameters per_rank[r].")
+      .def_property_readonly("num_groups", &optim::ZeroLayout::num_groups)
+      .def(
+          "pieces",
+          [](const optim::ZeroLayout& self, size_t index) {
+            std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+            for (const auto& p : self.pieces(index)) out.emplace_back(p.begin, p.end, p.owner);
+            return out;
+          },
+          py::arg("index"), "Parameter `index`'s pieces as (begin, end, owner).")
+      .def_property_readonly("units", [](const optim::ZeroLayout& s) { return to_py(s.units()); })
+      .def_property_readonly("unit_owners", &optim::ZeroLayout::unit_owners)
+      .def_property_readonly("unit_params", &optim::ZeroLayout::unit_params)
+      .def("local_units", &optim::ZeroLayout::local_units, py::arg("rank"),
+           "Per group, the indices of the units `rank` steps, in its local optimizer's order.")
+      .def_property_readonly("flat_buffers",
+                             [](const optim::ZeroLayout& s) { return to_py(s.flat_buffers()); })
+      .def("bind_piece_grads", &optim::ZeroLayout::bind_piece_grads,
+           "This rank's pieces of split parameters take their gradients' slices; returns their "
+           "unit indices.")
+      .def("unbind_piece_grads", &optim::ZeroLayout::unbind_piece_grads);
+
   py::class_<optim::ZeroShards, std::shared_ptr<optim::ZeroShards>>(
       m, "ZeroShards", "ZeRO's engine: partition layout, bucket views, parameter exchange.")
       .def(py::init([](const py::object& params, std::vector<int64_t> owners,

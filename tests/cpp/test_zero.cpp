@@ -1,12 +1,15 @@
 // ZeRO (ddpx/optim/zero.h) on 1 to 4 Gloo ranks as threads (test_utils.h):
 //   * partition_sorted_greedy: torch's assignment on hand-worked cases; partition_balanced: even
-//     shares, aligned cuts, unsplittable parameters, bad arguments;
+//     shares, aligned cuts, unsplittable parameters, bad arguments; ZeroLayout: groups keep
+//     their owners, units in torch's order, pieces as views, gradient binding, assign();
 //   * ZeroShards: the exchange (owners' values everywhere, in place and staged chunks, several
 //     rounds), bucket views, the fused SGD/Adam steps against the unsharded functional
 //     optimizers bit for bit, the bulk gather (any dtypes, shapes, counts), bad arguments;
-//   * ZeroRedundancyOptimizer over torch::optim::Adam / SGD against the same optimizer unsharded:
-//     every rank's parameters equal the unsharded run's bit for bit after every step (the local
-//     optimizer does the same arithmetic per parameter; the exchange copies bytes).
+//   * ZeroRedundancyOptimizer over torch::optim::Adam / AdamW / SGD against the same optimizer
+//     unsharded: through the local optimizer's step every rank's parameters equal the unsharded
+//     run's bit for bit after every step (the same arithmetic per parameter; the exchange copies
+//     bytes); through the fused step SGD is bit for bit and Adam within 1e-6; a local step after
+//     fused ones continues from their state.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -15,10 +18,14 @@
 #include <ddpx/optim/zero.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <numeric>
+#include <utility>
 #include <vector>
 
 #include "test_utils.h"
@@ -37,11 +44,14 @@ at::Tensor randn(at::IntArrayRef sizes, at::Generator& gen) {
   return at::randn(sizes, gen, at::TensorOptions().dtype(at::kFloat));
 }
 
-std::vector<at::Tensor> make_params(int64_t seed) {
+// contiguous: the transposed parameter made contiguous (the fused steps take only contiguous
+// parameters).
+std::vector<at::Tensor> make_params(int64_t seed, bool contiguous = false) {
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
   std::vector<at::Tensor> p{randn({64, 33}, gen),   randn({7}, gen), randn({3, 5}, gen),
                             randn({5, 6}, gen).t(), randn({0}, gen), randn({40}, gen),
                             randn({2, 2}, gen)};
+  if (contiguous) p[3] = p[3].contiguous();
   for (auto& t : p) t.set_requires_grad(true);
   return p;
 }
@@ -115,6 +125,104 @@ TEST(ZeroPartition, BalancedCutsTheLineIntoEvenShares) {
   EXPECT_THROW(partition_balanced({1}, {true}, 0), c10::ValueError);
   EXPECT_THROW(partition_balanced({1}, {true, true}, 2), c10::ValueError);
   EXPECT_THROW(partition_balanced({1}, {true}, 2, 0), c10::ValueError);
+}
+
+// ZeroLayout, the partition both ZeroRedundancyOptimizer classes use: groups keep their owners
+// when another is added (torch's running totals carry over), every unit is stepped by exactly
+// one rank in torch's order, pieces are views tiling their parameter, split pieces take their
+// gradient's slices, and assign() (torch's params_per_rank) checks its argument.
+TEST(ZeroLayout, GroupsUnitsPiecesAndGradients) {
+  using ddpx::optim::ZeroLayout;
+  using ddpx::optim::ZeroPartition;
+  const int64_t world = 3;
+  auto a = make_params(1), b = make_params(2);
+  std::vector<int64_t> na, nb;
+  for (const auto& p : a) na.push_back(p.numel());
+  for (const auto& p : b) nb.push_back(p.numel());
+  const auto expected = ddpx::optim::partition_sorted_greedy({na, nb}, world);
+  std::vector<std::vector<int64_t>> seen(static_cast<size_t>(world));
+  for (int64_t rank = 0; rank < world; ++rank) {
+    ZeroLayout layout(world, rank, ZeroPartition::kSortedGreedy);
+    layout.add_group(a);
+    std::vector<int64_t> before;
+    for (size_t i = 0; i < a.size(); ++i) before.push_back(layout.owner_of(i));
+    EXPECT_EQ(before, expected[0]);
+    EXPECT_EQ(layout.add_group(b), 1u);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(layout.owner_of(i), before[i]);
+    for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(layout.owner_of(a.size() + i), expected[1][i]);
+    EXPECT_EQ(layout.group_range(1), std::make_pair(a.size(), a.size() + b.size()));
+    const auto local = layout.local_units(rank);
+    ASSERT_EQ(local.size(), 2u);
+    for (const auto& group : local) {
+      for (size_t k = 0; k < group.size(); ++k) {
+        EXPECT_EQ(layout.unit_owners()[group[k]], rank);
+        EXPECT_TRUE(layout.units()[group[k]].is_same(layout.params()[group[k]]));
+        if (k > 0) {  // largest first
+          EXPECT_GE(layout.units()[group[k - 1]].numel(), layout.units()[group[k]].numel());
+        }
+        seen[static_cast<size_t>(rank)].push_back(group[k]);
+      }
+    }
+  }
+  std::vector<int64_t> all;
+  for (const auto& s : seen) all.insert(all.end(), s.begin(), s.end());
+  std::sort(all.begin(), all.end());
+  std::vector<int64_t> every(a.size() + b.size());
+  std::iota(every.begin(), every.end(), int64_t{0});
+  EXPECT_EQ(all, every);
+
+  // Balanced: the large weight is cut; its pieces are views tiling it, and this rank's pieces
+  // take slices of its gradient for a step only.
+  for (int64_t rank = 0; rank < world; ++rank) {
+    auto p = make_params(3);
+    ZeroLayout layout(world, rank, ZeroPartition::kBalanced);
+    layout.add_group(p);
+    ASSERT_GT(layout.pieces(0).size(), 1u);
+    int64_t at = 0;
+    for (size_t k = 0; k < layout.pieces(0).size(); ++k) {
+      const auto& piece = layout.pieces(0)[k];
+      EXPECT_EQ(piece.begin, at);
+      at = piece.end;
+      const at::Tensor& unit = layout.units()[k];
+      EXPECT_TRUE(unit.is_alias_of(p[0]));
+      EXPECT_TRUE(at::equal(unit, p[0].reshape(-1).slice(0, piece.begin, piece.end)));
+    }
+    EXPECT_EQ(at, p[0].numel());
+    p[0].mutable_grad() = at::randn_like(p[0]);
+    const auto bound = layout.bind_piece_grads();
+    ASSERT_FALSE(bound.empty());
+    for (int64_t u : bound) {
+      const auto& piece = layout.pieces(0)[static_cast<size_t>(u)];
+      EXPECT_EQ(piece.owner, rank);
+      EXPECT_TRUE(at::equal(layout.units()[u].grad(),
+                            p[0].grad().reshape(-1).slice(0, piece.begin, piece.end)));
+    }
+    layout.unbind_piece_grads();
+    for (int64_t u : bound) EXPECT_FALSE(layout.units()[u].grad().defined());
+  }
+
+  // assign(): one group, every parameter exactly once.
+  ZeroLayout one(2, 0, ZeroPartition::kSortedGreedy);
+  one.add_group(a);
+  const int64_t n = static_cast<int64_t>(a.size());
+  EXPECT_THROW(one.assign({{0}}), c10::ValueError);         // one list per rank
+  EXPECT_THROW(one.assign({{0, 0}, {}}), c10::ValueError);  // listed twice
+  EXPECT_THROW(one.assign({{0}, {1}}), c10::ValueError);    // others unassigned
+  EXPECT_THROW(one.assign({{0}, {n}}), c10::ValueError);    // out of range
+  std::vector<int64_t> odd, even;
+  for (int64_t i = n - 1; i >= 0; --i) (i % 2 ? odd : even).push_back(i);
+  one.assign({even, odd});
+  EXPECT_EQ(one.local_units(0)[0], even);
+  EXPECT_EQ(one.local_units(1)[0], odd);
+  EXPECT_EQ(one.owner_of(1), 1);
+  EXPECT_THROW(one.add_group(b), c10::ValueError);
+  ZeroLayout two(2, 0, ZeroPartition::kSortedGreedy);
+  two.add_group(a);
+  two.add_group(b);
+  EXPECT_THROW(two.assign({even, odd}), c10::ValueError);  // two groups
+  EXPECT_THROW(ZeroLayout(2, 0, ZeroPartition::kSortedGreedy, /*flatten=*/true), c10::ValueError);
+  EXPECT_THROW(ZeroLayout(2, 2, ZeroPartition::kSortedGreedy), c10::ValueError);
+  EXPECT_THROW(ZeroLayout(0, 0, ZeroPartition::kBalanced), c10::ValueError);
 }
 
 TEST(ZeroShards, ExchangeGivesEveryParameterItsOwnersValues) {
@@ -369,12 +477,24 @@ TEST(ZeroShards, BadArguments) {
   });
 }
 
-// The C++ class over torch::optim optimizers equals the unsharded optimizer bit for bit.
+// The C++ class over torch::optim optimizers against the unsharded optimizer. Through a closure
+// step() runs the local optimizer's own step: bit for bit. Without one it runs ddpx's fused step
+// (torch::optim's SGD, Adam and AdamW): SGD is still bit for bit; Adam's kernel rounds its
+// bias corrections differently from torch::optim::Adam, within `rtol`.
+struct Match {
+  bool bucket_view = false;
+  bool balanced = false;
+  bool closure = false;
+  double rtol = 0;         // 0: bit for bit
+  bool contiguous = true;  // make_params' flag
+};
+
 template <typename Make>
-void expect_matches_unsharded(int world, bool bucket_view, Make make, bool balanced = false) {
+void expect_matches_unsharded(int world, Make make, Match m) {
+  const bool bucket_view = m.bucket_view, balanced = m.balanced;
   ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
-    auto params = make_params(9);
-    auto reference = make_params(9);
+    auto params = make_params(9, m.contiguous);
+    auto reference = make_params(9, m.contiguous);
     ZeroOptions o;
     o.parameters_as_bucket_view = bucket_view;
     o.bucket_cap_bytes = 128;
@@ -414,12 +534,39 @@ void expect_matches_unsharded(int world, bool bucket_view, Make make, bool balan
         params[i].mutable_grad() = grads[i].clone();
         reference[i].mutable_grad() = grads[i].clone();
       }
-      zero.step();
+      // The last step always runs the local optimizer's own step: after fused steps it must
+      // find their state (step counts, moments, momentum buffers) in its own layout.
+      const bool closure = m.closure || step == 2;
+      if (closure) {
+        const at::Tensor loss = zero.step([] { return at::ones({}); });
+        EXPECT_EQ(loss.item<double>(), 1.0);
+      } else {
+        EXPECT_FALSE(zero.step().defined());
+      }
+      // The fused step takes contiguous parameters only (bucket views make them so); otherwise
+      // the local optimizer steps. Each rank decides on its own shard.
+      bool contiguous = true;
+      for (const auto& g : zero.local().param_groups()) {
+        for (const auto& u : g.params()) contiguous = contiguous && u.is_contiguous();
+      }
+      EXPECT_EQ(zero.last_step_fused(), !closure && contiguous);
       unsharded->step();
       for (size_t i = 0; i < params.size(); ++i) {
-        EXPECT_TRUE(at::equal(params[i], reference[i]))
-            << "world " << world << " bucket_view " << bucket_view << " step " << step << " param "
-            << i;
+        const bool same = m.rtol == 0 ? at::equal(params[i], reference[i])
+                                      : at::allclose(params[i], reference[i], m.rtol, 0);
+        EXPECT_TRUE(same) << "world " << world << " bucket_view " << bucket_view << " closure "
+                          << m.closure << " step " << step << " param " << i << ": max diff "
+                          << (params[i] - reference[i]).abs().max().item<double>();
+      }
+      if (m.bucket_view && m.balanced) {
+        // Every parameter is a view of its group's flat tensor.
+        for (const auto& p : params) {
+          bool in_flat = false;
+          for (const auto& flat : zero.layout().flat_buffers()) {
+            in_flat = in_flat || p.storage().is_alias_of(flat.storage());
+          }
+          EXPECT_TRUE(in_flat);
+        }
       }
     }
     zero.zero_grad(/*set_to_none=*/false);
@@ -438,7 +585,24 @@ TEST(ZeroRedundancyOptimizer, AdamMatchesUnshardedAdam) {
         std::move(g), torch::optim::AdamOptions(0.01).weight_decay(0.1).amsgrad(true));
   };
   for (int world : {1, 2, 3, 4}) {
-    for (bool bv : {false, true}) expect_matches_unsharded(world, bv, make);
+    for (bool bv : {false, true}) {
+      expect_matches_unsharded(world, make, {bv, false, /*closure=*/true});
+      expect_matches_unsharded(world, make, {bv, false, /*closure=*/false, 1e-6});
+      // A non-contiguous parameter: its owner runs the local optimizer's step (unless bucket
+      // views make it contiguous), the other ranks the fused step.
+      expect_matches_unsharded(world, make, {bv, false, false, 1e-6, false});
+    }
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, AdamWMatchesUnshardedAdamW) {
+  auto make = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+    return std::make_shared<torch::optim::AdamW>(
+        std::move(g), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+  };
+  for (int world : {2, 3}) {
+    expect_matches_unsharded(world, make, {false, false, /*closure=*/true});
+    expect_matches_unsharded(world, make, {false, false, /*closure=*/false, 1e-6});
   }
 }
 
@@ -448,12 +612,16 @@ TEST(ZeroRedundancyOptimizer, SGDMatchesUnshardedSGD) {
         std::move(g), torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
   };
   for (int world : {2, 3}) {
-    for (bool bv : {false, true}) expect_matches_unsharded(world, bv, make);
+    for (bool bv : {false, true}) {
+      for (bool closure : {false, true})
+        expect_matches_unsharded(world, make, {bv, false, closure});
+    }
   }
 }
 
 // Balanced: the 64x33 weight is split between ranks; the pieces' updates (Adam, SGD with
-// momentum: elementwise) equal the unsharded optimizer's bit for bit.
+// momentum: elementwise) equal the unsharded optimizer's, with and without bucket views (each
+// group flattened).
 TEST(ZeroRedundancyOptimizer, BalancedMatchesUnsharded) {
   auto adam = [](std::vector<torch::optim::OptimizerParamGroup> g) {
     return std::make_shared<torch::optim::Adam>(
@@ -464,8 +632,11 @@ TEST(ZeroRedundancyOptimizer, BalancedMatchesUnsharded) {
         std::move(g), torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
   };
   for (int world : {1, 2, 3, 4}) {
-    expect_matches_unsharded(world, false, adam, /*balanced=*/true);
-    expect_matches_unsharded(world, false, sgd, /*balanced=*/true);
+    for (bool bv : {false, true}) {
+      expect_matches_unsharded(world, adam, {bv, /*balanced=*/true, /*closure=*/true});
+      expect_matches_unsharded(world, adam, {bv, /*balanced=*/true, /*closure=*/false, 1e-6});
+      expect_matches_unsharded(world, sgd, {bv, /*balanced=*/true, /*closure=*/false});
+    }
   }
 }
 
@@ -483,10 +654,6 @@ TEST(ZeroRedundancyOptimizer, BadArguments) {
       return std::shared_ptr<torch::optim::Optimizer>();
     };
     EXPECT_THROW(ZeroRedundancyOptimizer(groups, none, pg), c10::ValueError);
-    ZeroOptions balanced_views;
-    balanced_views.partition = ddpx::optim::ZeroPartition::kBalanced;
-    balanced_views.parameters_as_bucket_view = true;
-    EXPECT_THROW(ZeroRedundancyOptimizer(groups, make, pg, balanced_views), c10::ValueError);
   });
 }
 

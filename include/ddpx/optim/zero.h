@@ -3,10 +3,12 @@
 // partition: whole tensors), updates only those, and the ranks then exchange the updated values
 // so that every replica holds the same parameters.
 //
-// Two layers:
-// - ZeroShards: the engine. The partition, the optional flat bucket views of the parameters
-//   (parameters_as_bucket_view), the parameter exchange and the bulk state gather to one rank.
-//   The Python class ddpx.optim.ZeroRedundancyOptimizer runs on it, and so does:
+// The layers, shared by the Python class ddpx.optim.ZeroRedundancyOptimizer and the C++ one:
+// - ZeroLayout (zero_layout.h): the partition, the units (parameters or their pieces) each rank
+//   steps, the gradient binding of split parameters;
+// - ZeroShards: the engine. The optional flat bucket views of each rank's parameters
+//   (parameters_as_bucket_view), the parameter exchange and the bulk state gather to one rank;
+// - step_sgd / step_adam: the fused shard steps (the update inside the exchange);
 // - ZeroRedundancyOptimizer: the C++ class for libtorch programs, over any torch::optim
 //   optimizer built by a factory for this rank's shard.
 //
@@ -23,6 +25,7 @@
 #include <ddpx/comm/bucketed.h>
 #include <ddpx/common/process_group.h>
 #include <ddpx/optim/functional.h>
+#include <ddpx/optim/zero_layout.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
@@ -30,46 +33,14 @@
 #include <memory>
 #include <vector>
 
+namespace torch {
+namespace optim {
+class SGD;
+}  // namespace optim
+}  // namespace torch
+
 namespace ddpx {
 namespace optim {
-
-// torch's partition: the parameters of each group, largest first (stable for equal sizes), each
-// to the rank with the fewest elements so far (the lowest such rank); the running totals carry
-// over from one group to the next. numels[g][i] is the element count of group g's parameter i;
-// the result has the same shape and holds each parameter's owning rank. world_size must be
-// positive (c10::ValueError otherwise).
-std::vector<std::vector<int64_t>> partition_sorted_greedy(
-    const std::vector<std::vector<int64_t>>& numels, int64_t world_size);
-
-// One piece of a parameter under the balanced partition: elements [begin, end) of the
-// parameter's flattened values, updated by rank `owner`.
-struct ZeroPiece {
-  // [begin, end) of the flattened values, and the rank that owns (steps) them.
-  int64_t begin = 0;
-  int64_t end = 0;
-  int64_t owner = 0;
-};
-
-// The balanced partition (ddpx's, opt-in): the parameters, in order, laid end to end; rank r owns
-// the elements [r * T / W, (r + 1) * T / W) of that line (T elements in all, W ranks), so a
-// parameter that straddles a boundary is split between ranks. A cut inside a parameter is moved to
-// a multiple of `align` elements from the parameter's start (aligned slices for vector loads and
-// no slivers); a parameter with splittable[i] false (not contiguous) is never cut and goes whole
-// to the rank that holds its middle element. Each rank then holds T / W elements to within
-// `align` per cut (plus half of any unsplittable parameter). Returns, per parameter, its pieces in
-// element order (one piece covering it when it is not cut); empty parameters get one empty piece
-// owned by the rank holding their position. c10::ValueError for world_size < 1, align < 1, a
-// negative numel or mismatched lengths.
-std::vector<std::vector<ZeroPiece>> partition_balanced(const std::vector<int64_t>& numels,
-                                                       const std::vector<bool>& splittable,
-                                                       int64_t world_size, int64_t align = 32);
-
-// How ZeroRedundancyOptimizer (the C++ class) assigns parameters to ranks.
-enum class ZeroPartition {
-  kSortedGreedy,  // torch's: whole tensors (partition_sorted_greedy)
-  kBalanced,      // ddpx's: even shares, large tensors split (partition_balanced); only for
-                  // optimizers whose update is elementwise (SGD, Adam, AdamW, Adagrad, RMSprop)
-};
 
 struct ZeroOptions {
   // true: each rank's trainable parameters (per device) are packed into one flat tensor and
@@ -80,7 +51,8 @@ struct ZeroOptions {
   // own storage.
   int64_t bucket_cap_bytes = comm::kDefaultBucketBytes;
   // Read by ZeroRedundancyOptimizer only (ZeroShards is given its owners). With kBalanced, each
-  // parameter group is partitioned on its own, and bucket views are not supported.
+  // parameter group is partitioned on its own, and parameters_as_bucket_view flattens each group
+  // (ZeroLayout's flatten) instead of packing each rank's parameters.
   ZeroPartition partition = ZeroPartition::kSortedGreedy;
 };
 
@@ -230,10 +202,14 @@ ZeroExchangeStats step_adam(ZeroShards& shards, std::vector<ZeroAdamGroup>& grou
 bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroSGDGroup>& groups);
 bool fused_step_supported(const ZeroShards& shards, const std::vector<ZeroAdamGroup>& groups);
 
-// ZeroRedundancyOptimizer for C++ programs: the parameter groups are partitioned as torch
-// partitions them, `make_local` builds this rank's optimizer over its share of each group (a
-// group whose share is empty is passed empty, so group indices match), and step() runs it and
-// exchanges the parameters.
+// ZeroRedundancyOptimizer for C++ programs: the parameter groups are partitioned as the Python
+// class partitions them (ZeroLayout: torch's sorted-greedy partition, or the balanced one),
+// `make_local` builds this rank's optimizer over its share of each group (a group whose share is
+// empty is passed empty, so group indices match), and step() runs it and exchanges the
+// parameters. With a torch::optim::SGD, Adam or AdamW local optimizer (float32/float64, dense
+// gradients) and no closure, step() runs ddpx's fused step instead, as the Python class does: the
+// shard's update in ddpx's kernels chunk by chunk, each chunk's broadcast starting as soon as it
+// is updated, on the local optimizer's own state (created as it creates it).
 //
 //   auto zero = ddpx::optim::ZeroRedundancyOptimizer(
 //       {torch::optim::OptimizerParamGroup(model->parameters())},
@@ -250,12 +226,14 @@ class ZeroRedundancyOptimizer {
       std::vector<torch::optim::OptimizerParamGroup>)>;
 
   // Partitions `param_groups` over the ranks of `pg` and builds this rank's local optimizer with
-  // `make_local`.
+  // `make_local`. Under the balanced partition, parameters_as_bucket_view makes each group's
+  // parameters (per device) views of one flat tensor, so each rank's pieces are slices of it.
   ZeroRedundancyOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                           const LocalFactory& make_local, ProcessGroupPtr pg,
                           ZeroOptions options = {});
 
-  // The local optimizer's step on this rank's shard (with the closure, if any), then the
+  // This rank's shard of the update, then the exchange: the fused step where it applies (see the
+  // class comment), else the local optimizer's step (with the closure, if any) followed by the
   // exchange. Returns the closure's loss (undefined without one). Every rank must call it. With
   // the balanced partition the local optimizer holds slices of split parameters (views of their
   // flattened values): they are given the matching slices of the parameters' gradients for the
@@ -263,29 +241,32 @@ class ZeroRedundancyOptimizer {
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr);
   // Every parameter's gradient (not only the shard's): dropped, or zeroed with false.
   void zero_grad(bool set_to_none = true);
+  // Whether the last step() ran the fused step (false: the local optimizer's own step).
+  bool last_step_fused() const { return last_step_fused_; }
 
   // The local optimizer over this rank's shard, and the shards' layout.
   torch::optim::Optimizer& local() { return *local_; }
   const std::shared_ptr<torch::optim::Optimizer>& local_ptr() const { return local_; }
   const ZeroShards& shards() const { return *shards_; }
+  const ZeroLayout& layout() const { return layout_; }
   // Every parameter, in the groups' order, and the rank that owns each (under the balanced
   // partition: the owner of its first piece; pieces(index) has them all).
-  const std::vector<at::Tensor>& params() const { return params_; }
-  int64_t owner_of(size_t index) const { return pieces_.at(index).front().owner; }
-  const std::vector<ZeroPiece>& pieces(size_t index) const { return pieces_.at(index); }
+  const std::vector<at::Tensor>& params() const { return layout_.params(); }
+  int64_t owner_of(size_t index) const { return layout_.owner_of(index); }
+  const std::vector<ZeroPiece>& pieces(size_t index) const { return layout_.pieces(index); }
 
  private:
-  struct BoundPiece {  // this rank's slice of a split parameter
-    at::Tensor param, unit;
-    int64_t begin, end;
-  };
-  void bind_piece_grads() const;
+  bool fused_step();
+  template <typename Optim, typename State>
+  bool fused_adam(Optim& optim, bool decoupled);
+  bool fused_sgd(torch::optim::SGD& optim);
 
+  ZeroLayout layout_;
   std::shared_ptr<torch::optim::Optimizer> local_;
   std::unique_ptr<ZeroShards> shards_;
-  std::vector<at::Tensor> params_;
-  std::vector<std::vector<ZeroPiece>> pieces_;
-  std::vector<BoundPiece> split_;
+  // Per group, the indices (into layout_.units()) of the local optimizer's parameters, in order.
+  std::vector<std::vector<int64_t>> local_units_;
+  bool last_step_fused_ = false;
 };
 
 }  // namespace optim

@@ -175,16 +175,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._index_to_param_cache: List[torch.Tensor] = []
         # Per parameter, its pieces as (unit, begin, end, owner): the unit is the tensor the local
         # optimizer and the engine see (the parameter itself, or a slice of its flattened values
-        # under the balanced partition). Pieces of a group, once made, are kept (add_param_group
-        # leaves the earlier groups' partition alone).
+        # under the balanced partition), as the C++ ZeroLayout made them. A group's pieces, once
+        # made, are kept (add_param_group leaves the earlier groups' partition alone).
         self._pieces: Dict[torch.Tensor, List[tuple]] = {}
         self._units_cache: List[torch.Tensor] = []
         self._unit_index_cache: Dict[torch.Tensor, int] = {}
         self._unit_owners: List[int] = []
         self._unit_params: List[torch.Tensor] = []
-        # partition="balanced" with parameters_as_bucket_view: one flat tensor per (parameter
-        # group, device) whose views the parameters are.
-        self._flat_buffers: List[torch.Tensor] = []
         self._is_trainable_mask = self._get_is_trainable_mask()
         self._default_device = self._all_params[0].device
 
@@ -197,9 +194,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optim_defaults = defaults
         self._optim_constructor = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        if self._balanced_bucket_view():
-            for group in self.param_groups:
-                self._flatten(group["params"])
+        # The partition, in C++ (shared with the C++ class). partition="balanced" with
+        # parameters_as_bucket_view: each group's parameters (per device) become views of one
+        # flat tensor (flat_buffers) when the layout takes the group.
+        self._layout = _C.ZeroLayout(self.world_size, self.rank, partition,
+                                     flatten=self._balanced_bucket_view(), align=_BALANCED_ALIGN)
         self._init_local_optimizer()
         self._shards = None
         self._build_shards()
@@ -299,24 +298,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return (self.partition == "balanced" and self.parameters_as_bucket_view and
                 not self._overlap_with_ddp)
 
-    def _flatten(self, params: List[torch.Tensor]) -> None:
-        """partition='balanced' with bucket views: ``params`` (one group's) become views of one
-        flat tensor per device, their values kept."""
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for p in params:
-            by_device.setdefault(p.device, []).append(p)
-        for device, ps in by_device.items():
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=device)
-            offset = 0
-            with torch.no_grad():
-                for p in ps:
-                    n = p.numel()
-                    view = flat[offset:offset + n].view(p.shape)
-                    view.copy_(p.detach())
-                    p.data = view
-                    offset += n
-            self._flat_buffers.append(flat)
-
     def _get_is_trainable_mask(self) -> List[bool]:
         return [_is_trainable(p) for p in self._all_params]
 
@@ -362,108 +343,67 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _partition_parameters(self, params_per_rank: Optional[List[List[torch.Tensor]]] = None
                               ) -> List[List[dict]]:
-        """Per rank, its parameter groups: torch's sorted-greedy partition (computed by
-        ``ddpx._C.zero_partition``), or ``params_per_rank`` (one group only)."""
-        if params_per_rank is None and self.partition == "balanced":
-            if not self._partition_parameters_cache:
-                self._partition_parameters_cache = self._balanced_partition()
-            return self._partition_parameters_cache
-        if params_per_rank is None:
-            if not self._partition_parameters_cache:
-                owners = _C.zero_partition(
-                    [[p.numel() for p in g["params"]] for g in self.param_groups],
-                    self.world_size)
-                cache: List[List[dict]] = [[] for _ in range(self.world_size)]
-                for group, group_owners in zip(self.param_groups, owners):
-                    order = sorted(range(len(group["params"])),
-                                   key=lambda i: group["params"][i].numel(), reverse=True)
-                    per_rank: List[List[torch.Tensor]] = [[] for _ in range(self.world_size)]
-                    for i in order:
-                        per_rank[group_owners[i]].append(group["params"][i])
-                    for rank, rank_params in enumerate(per_rank):
-                        rank_group = copy.copy(group)
-                        rank_group["params"] = rank_params
-                        cache[rank].append(rank_group)
-                self._partition_parameters_cache = cache
-            return self._partition_parameters_cache
-        if self.partition == "balanced":
-            raise RuntimeError("Specifying `params_per_rank` is not possible with "
-                               "partition='balanced' (it makes its own pieces)")
-        if self._partition_parameters_cache:
-            raise RuntimeError("Specifying `params_per_rank` should only be done when the "
-                               "parameters have not been partitioned yet")
-        if len(self.param_groups) != 1:
-            raise RuntimeError("Specifying `params_per_rank` only supports a single parameter "
-                               "group")
-        if len(params_per_rank) != self.world_size:
-            raise ValueError("`params_per_rank` must have length equal to the world size")
-        known = set(self._all_params)
-        for rank_params in params_per_rank:
-            for p in rank_params:
-                if p not in known:
-                    raise ValueError("Passing a new parameter in `params_per_rank` that was not "
-                                     "passed into the ZeroRedundancyOptimizer constructor")
-        group = self.param_groups[0]
-        cache = []
-        for rank_params in params_per_rank:
-            rank_group = copy.copy(group)
-            rank_group["params"] = list(rank_params)
-            cache.append([rank_group])
-        self._partition_parameters_cache = cache
-        return cache
+        """Per rank, its parameter groups of units (``ddpx._C.ZeroLayout``): torch's
+        sorted-greedy partition, the balanced one, or ``params_per_rank`` (one group only)."""
+        if params_per_rank is not None:
+            if self.partition == "balanced":
+                raise RuntimeError("Specifying `params_per_rank` is not possible with "
+                                   "partition='balanced' (it makes its own pieces)")
+            if self._partition_parameters_cache:
+                raise RuntimeError("Specifying `params_per_rank` should only be done when the "
+                                   "parameters have not been partitioned yet")
+            if len(self.param_groups) != 1:
+                raise RuntimeError("Specifying `params_per_rank` only supports a single "
+                                   "parameter group")
+            if len(params_per_rank) != self.world_size:
+                raise ValueError("`params_per_rank` must have length equal to the world size")
+            index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
+            for rank_params in params_per_rank:
+                for p in rank_params:
+                    if p not in index:
+                        raise ValueError("Passing a new parameter in `params_per_rank` that was "
+                                         "not passed into the ZeroRedundancyOptimizer constructor")
+            self._sync_layout()
+            self._layout.assign([[index[p] for p in rank_params]
+                                 for rank_params in params_per_rank])
+            self._units_cache.clear()
+        if not self._partition_parameters_cache:
+            units = self._units
+            cache: List[List[dict]] = [[] for _ in range(self.world_size)]
+            for rank in range(self.world_size):
+                for group, local in zip(self.param_groups, self._layout.local_units(rank)):
+                    rank_group = copy.copy(group)
+                    rank_group["params"] = [units[i] for i in local]
+                    cache[rank].append(rank_group)
+            self._partition_parameters_cache = cache
+        return self._partition_parameters_cache
 
-    def _balanced_partition(self) -> List[List[dict]]:
-        """partition='balanced': per rank, its groups of units (pieces in parameter order).
-        Parameters partitioned before (earlier groups, before add_param_group) keep their
-        pieces."""
-        cache: List[List[dict]] = [[] for _ in range(self.world_size)]
-        for group in self.param_groups:
-            params = group["params"]
-            fresh = [p for p in params if p not in self._pieces]
-            if fresh:
-                if len(fresh) != len(params):
-                    raise RuntimeError("ZeroRedundancyOptimizer: a parameter group was partly "
-                                       "partitioned")
-                rows = _C.zero_partition_balanced([p.numel() for p in params],
-                                                  [p.is_contiguous() for p in params],
-                                                  self.world_size, _BALANCED_ALIGN)
-                for p, row in zip(params, rows):
-                    if len(row) == 1:
-                        self._pieces[p] = [(p, 0, p.numel(), row[0][2])]
-                    else:
-                        flat = p.detach().view(-1)
-                        self._pieces[p] = [(flat[b:e], b, e, owner) for b, e, owner in row]
-            per_rank: List[List[torch.Tensor]] = [[] for _ in range(self.world_size)]
-            for p in params:
-                for unit, _, _, owner in self._pieces[p]:
-                    per_rank[owner].append(unit)
-            for rank, units in enumerate(per_rank):
-                rank_group = copy.copy(group)
-                rank_group["params"] = units
-                cache[rank].append(rank_group)
-        return cache
+    def _sync_layout(self) -> None:
+        """Gives the layout the parameter groups it does not have yet (construction,
+        add_param_group)."""
+        for group in self.param_groups[self._layout.num_groups:]:
+            self._layout.add_group(group["params"])
 
     @property
     def _units(self) -> List[torch.Tensor]:
         """What the engine exchanges and the local optimizers step, in global order: the
         parameters, or their pieces under partition='balanced'."""
         if not self._units_cache:
-            partition = self._partition_parameters()
-            if self.partition != "balanced":
-                owner = {}
-                for rank, groups in enumerate(partition):
-                    for group in groups:
-                        for p in group["params"]:
-                            owner[p] = rank
-                for p in self._index_to_param:
-                    self._pieces[p] = [(p, 0, p.numel(), owner[p])]
-            self._unit_owners, self._unit_params = [], []
-            for p in self._index_to_param:
-                for unit, _, _, rank in self._pieces[p]:
-                    self._units_cache.append(unit)
-                    self._unit_owners.append(rank)
-                    self._unit_params.append(p)
-            self._unit_index_cache = {u: i for i, u in enumerate(self._units_cache)}
+            self._sync_layout()
+            layout = self._layout
+            units = layout.units
+            self._units_cache = units
+            self._unit_owners = list(layout.unit_owners)
+            self._unit_params = [self._index_to_param[i] for i in layout.unit_params]
+            self._pieces = {}
+            k = 0
+            for i, p in enumerate(self._index_to_param):
+                pieces = []
+                for b, e, owner in layout.pieces(i):
+                    pieces.append((units[k], b, e, owner))
+                    k += 1
+                self._pieces[p] = pieces
+            self._unit_index_cache = {u: i for i, u in enumerate(units)}
         return self._units_cache
 
     @property
@@ -477,24 +417,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         _ = self._units
         return [(b, e, owner) for _, b, e, owner in self._pieces[param]]
 
-    def _bind_piece_grads(self, grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None
-                          ) -> List[torch.Tensor]:
+    def _bind_piece_grads(self) -> List[torch.Tensor]:
         """Gives this rank's pieces of split parameters the matching slices of their parameter's
-        gradient (``grads[param]`` if given, else ``param.grad``); returns the pieces, whose
-        ``.grad`` the caller drops after the step."""
-        bound = []
-        if self.partition != "balanced":
-            return bound
-        for p, pieces in self._pieces.items():
-            if len(pieces) == 1:
-                continue
-            grad = p.grad if grads is None else grads.get(p)
-            for unit, b, e, owner in pieces:
-                if owner != self.rank:
-                    continue
-                unit.grad = None if grad is None else grad.reshape(-1)[b:e]
-                bound.append(unit)
-        return bound
+        gradient; returns the pieces, whose ``.grad`` :meth:`_unbind_piece_grads` drops after the
+        step."""
+        units = self._units
+        return [units[i] for i in self._layout.bind_piece_grads()]
+
+    def _unbind_piece_grads(self) -> None:
+        self._layout.unbind_piece_grads()
 
     @property
     def _param_to_rank(self) -> Dict[torch.Tensor, int]:
@@ -551,8 +482,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                      f"{torch.typename(p)}")
         self._all_params.extend(new_params)
         self._is_trainable_mask = self._get_is_trainable_mask()
-        if self._balanced_bucket_view() and new_params:
-            self._flatten(new_params)
         self._clear_cache()
         local_groups = self._partition_parameters()[self.rank]
         if len(local_groups) == len(self.optim.param_groups) + 1:
@@ -595,8 +524,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                            **kwargs)
                 self._shards.exchange()
         finally:
-            for unit in bound:
-                unit.grad = None
+            self._unbind_piece_grads()
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
 
