@@ -6,6 +6,7 @@
 #include <ddpx/hooks/comm_hook.h>
 #include <ddpx/hooks/compress_hook.h>
 #include <ddpx/hooks/compress_wrapper.h>
+#include <ddpx/hooks/ddp_zero_hook.h>
 #include <ddpx/hooks/noop_hook.h>
 #include <ddpx/hooks/post_localsgd_hook.h>
 #include <ddpx/hooks/powersgd_hook.h>

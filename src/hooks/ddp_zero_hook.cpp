@@ -67,8 +67,7 @@ class ZeroStepHook final : public CommHook {
   // Waits for the bucket's reduction and steps its parameters with slices of the result.
   void step(const PendingBucket& b) {
     b.future->wait();  // rethrows the reduction's error
-    const at::Tensor flat =
-        detail::parse_hook_result(b.future->value(), hook_->name()).reshape(-1);
+    const at::Tensor flat = detail::parse_hook_result(b.future->value(), hook_->name()).reshape(-1);
     std::vector<at::Tensor> grads;
     int64_t offset = 0;
     for (const at::Tensor& p : b.params) {

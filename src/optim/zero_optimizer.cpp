@@ -33,10 +33,16 @@ Key state_key(const at::Tensor& p) {
 using StateMap = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 using StateKey = typename StateMap::key_type;
 
-ZeroLayout layout_for(const ProcessGroupPtr& pg, const ZeroOptions& options) {
+ZeroLayout layout_for(const ProcessGroupPtr& pg, ZeroOptions& options) {
   TORCH_CHECK_VALUE(pg,
                     "ZeroRedundancyOptimizer: process_group is null (this rank is not a "
                     "member of the group)");
+  if (options.overlap_with_ddp && options.parameters_as_bucket_view) {
+    TORCH_WARN(
+        "`parameters_as_bucket_view=True` will be ignored since `overlap_with_ddp=True`; "
+        "instead, a different bucketing strategy will be used");
+    options.parameters_as_bucket_view = false;
+  }
   // Under the balanced partition, bucket views are the layout's flat tensors per group.
   return ZeroLayout(
       pg->getSize(), pg->getRank(), options.partition,
@@ -56,6 +62,11 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     }
     layout_.add_group(group.params());
   }
+  for (size_t i = 0; i < layout_.params().size(); ++i) {
+    const at::Tensor& p = layout_.params()[i];
+    param_index_.emplace(p.unsafeGetTensorImpl(), i);
+    trainable_.push_back(p.requires_grad());
+  }
   local_units_ = layout_.local_units(layout_.rank());
   std::vector<torch::optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups.size(); ++g) {
@@ -68,9 +79,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     }
   }
   std::vector<bool> trainable;
-  for (int64_t i : layout_.unit_params()) {
-    trainable.push_back(layout_.params()[i].requires_grad());
-  }
+  for (int64_t i : layout_.unit_params()) trainable.push_back(trainable_[static_cast<size_t>(i)]);
   // Under the balanced partition the layout flattened the groups itself: the engine packs
   // nothing.
   ZeroOptions engine = options;
@@ -83,6 +92,11 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
 }
 
 at::Tensor ZeroRedundancyOptimizer::step(torch::optim::Optimizer::LossClosure closure) {
+  if (shards_->options().overlap_with_ddp) {
+    // torch's behaviour: the hook steps; a step() left in the loop would step twice.
+    TORCH_WARN("`step()` should not be included in the training loop when `overlap_with_ddp=True`");
+    return at::Tensor();
+  }
   // The pieces of split parameters hold their gradients' slices for this step only.
   struct Unbind {
     const ZeroLayout& layout;
@@ -109,18 +123,77 @@ at::Tensor ZeroRedundancyOptimizer::step(torch::optim::Optimizer::LossClosure cl
   return loss;
 }
 
-bool ZeroRedundancyOptimizer::fused_step() {
-  if (auto* sgd = dynamic_cast<torch::optim::SGD*>(local_.get())) return fused_sgd(*sgd);
+void ZeroRedundancyOptimizer::step_params(const std::vector<at::Tensor>& params,
+                                          const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK_VALUE(params.size() == grads.size(),
+                    "ZeroRedundancyOptimizer::step_params: ", params.size(), " parameters but ",
+                    grads.size(), " gradients");
+  for (size_t i = 0; i < layout_.params().size(); ++i) {
+    // The partition and the exchange were laid out for the trainability at construction.
+    TORCH_CHECK(layout_.params()[i].requires_grad() == trainable_[i],
+                "ZeroRedundancyOptimizer with `overlap_with_ddp=True` does not support changing "
+                "parameter trainability at run time");
+  }
+  std::vector<at::Tensor> local;
+  for (const auto& group : local_->param_groups()) {
+    for (const at::Tensor& u : group.params()) local.push_back(u);
+  }
+  // The local step must see exactly `grads`: the local parameters' own gradients are set aside
+  // and put back whatever happens.
+  struct Restore {
+    std::vector<at::Tensor>& units;
+    std::vector<at::Tensor> saved;
+    ~Restore() {
+      for (size_t i = 0; i < units.size(); ++i) units[i].mutable_grad() = saved[i];
+    }
+  } restore{local, {}};
+  for (at::Tensor& u : local) {
+    restore.saved.push_back(u.grad());
+    u.mutable_grad() = at::Tensor();
+  }
+  std::vector<int64_t> subset;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const at::Tensor& p = params[k];
+    const at::Tensor& g = grads[k];
+    const auto it = p.defined() ? param_index_.find(p.unsafeGetTensorImpl()) : param_index_.end();
+    TORCH_CHECK_VALUE(it != param_index_.end(), "ZeroRedundancyOptimizer::step_params: parameter ",
+                      k, " is not one of this optimizer's");
+    const size_t index = it->second;
+    const auto& pieces = layout_.pieces(index);
+    const size_t first = layout_.first_unit(index);
+    TORCH_CHECK_VALUE(!p.requires_grad() || (g.defined() && g.numel() == p.numel()),
+                      "ZeroRedundancyOptimizer::step_params: the gradient of parameter ", k,
+                      " does not match it (", p.sizes(), ")");
+    for (size_t j = 0; j < pieces.size(); ++j) {
+      const int64_t unit = static_cast<int64_t>(first + j);
+      subset.push_back(unit);
+      if (!p.requires_grad() || pieces[j].owner != layout_.rank()) continue;
+      at::Tensor u = layout_.units()[static_cast<size_t>(unit)];
+      u.mutable_grad() = pieces.size() == 1
+                             ? g.view_as(p)
+                             : g.reshape(-1).slice(0, pieces[j].begin, pieces[j].end);
+    }
+  }
+  last_step_fused_ = fused_step(&subset);
+  if (!last_step_fused_) {
+    local_->step();
+    shards_->exchange(nullptr, subset);
+  }
+}
+
+bool ZeroRedundancyOptimizer::fused_step(const std::vector<int64_t>* subset) {
+  if (auto* sgd = dynamic_cast<torch::optim::SGD*>(local_.get())) return fused_sgd(*sgd, subset);
   if (auto* adamw = dynamic_cast<torch::optim::AdamW*>(local_.get())) {
-    return fused_adam<torch::optim::AdamW, torch::optim::AdamWParamState>(*adamw, true);
+    return fused_adam<torch::optim::AdamW, torch::optim::AdamWParamState>(*adamw, true, subset);
   }
   if (auto* adam = dynamic_cast<torch::optim::Adam*>(local_.get())) {
-    return fused_adam<torch::optim::Adam, torch::optim::AdamParamState>(*adam, false);
+    return fused_adam<torch::optim::Adam, torch::optim::AdamParamState>(*adam, false, subset);
   }
   return false;
 }
 
-bool ZeroRedundancyOptimizer::fused_sgd(torch::optim::SGD& optim) {
+bool ZeroRedundancyOptimizer::fused_sgd(torch::optim::SGD& optim,
+                                        const std::vector<int64_t>* subset) {
   auto& state = optim.state();
   std::vector<ZeroSGDGroup> groups;
   for (size_t g = 0; g < optim.param_groups().size(); ++g) {
@@ -145,7 +218,7 @@ bool ZeroRedundancyOptimizer::fused_sgd(torch::optim::SGD& optim) {
     groups.push_back(std::move(z));
   }
   if (!fused_step_supported(*shards_, groups)) return false;
-  step_sgd(*shards_, groups);
+  step_sgd(*shards_, groups, subset);
   // torch::optim::SGD keeps a momentum buffer only with momentum, made on the first step.
   for (size_t g = 0; g < groups.size(); ++g) {
     if (groups[g].options.momentum == 0) continue;
@@ -162,7 +235,8 @@ bool ZeroRedundancyOptimizer::fused_sgd(torch::optim::SGD& optim) {
 }
 
 template <typename Optim, typename State>
-bool ZeroRedundancyOptimizer::fused_adam(Optim& optim, bool decoupled) {
+bool ZeroRedundancyOptimizer::fused_adam(Optim& optim, bool decoupled,
+                                         const std::vector<int64_t>* subset) {
   using Options = std::conditional_t<std::is_same_v<Optim, torch::optim::AdamW>,
                                      torch::optim::AdamWOptions, torch::optim::AdamOptions>;
   auto& state = optim.state();
@@ -205,7 +279,7 @@ bool ZeroRedundancyOptimizer::fused_adam(Optim& optim, bool decoupled) {
     groups.push_back(std::move(z));
   }
   if (!fused_step_supported(*shards_, groups)) return false;
-  step_adam(*shards_, groups);
+  step_adam(*shards_, groups, subset);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& params = optim.param_groups()[g].params();
     for (size_t j = 0; j < params.size(); ++j) {

@@ -9,14 +9,26 @@
 //     unsharded: through the local optimizer's step every rank's parameters equal the unsharded
 //     run's bit for bit after every step (the same arithmetic per parameter; the exchange copies
 //     bytes); through the fused step SGD is bit for bit and Adam within 1e-6; a local step after
-//     fused ones continues from their state.
+//     fused ones continues from their state;
+//   * the overlap with the C++ DDP (hook_with_zero_step and its interleaved form around ddpx's
+//     allreduce hook, several buckets, both partitions): every rank's parameters after each
+//     backward pass equal those of DDP with the plain hook followed by the unsharded optimizer's
+//     step (bit for bit through the local step and fused SGD, Adam within 1e-6); step() then
+//     does nothing; the hooks' refusals.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <ddpx/ddp.h>
+#include <ddpx/hooks/allreduce_hook.h>
+#include <ddpx/hooks/ddp_zero_hook.h>
 #include <ddpx/optim/functional.h>
 #include <ddpx/optim/zero.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -25,6 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -654,6 +667,141 @@ TEST(ZeroRedundancyOptimizer, BadArguments) {
       return std::shared_ptr<torch::optim::Optimizer>();
     };
     EXPECT_THROW(ZeroRedundancyOptimizer(groups, none, pg), c10::ValueError);
+  });
+}
+
+// The overlap with the C++ DDP. Both runs reduce with ddpx's allreduce hook on small buckets
+// (several per backward pass), so their averaged gradients are the same bits; the overlapped run
+// steps inside the hook, bucket by bucket, the reference after backward with the unsharded
+// optimizer.
+torch::nn::Sequential overlap_net() {
+  torch::nn::Sequential net(torch::nn::Linear(8, 48), torch::nn::Tanh(), torch::nn::Linear(48, 40),
+                            torch::nn::Tanh(), torch::nn::Linear(40, 3));
+  at::Generator gen = at::detail::createCPUGenerator(5);
+  at::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(randn(p.sizes(), gen) * 0.3);
+  return net;
+}
+
+struct OverlapCase {
+  std::string name;
+  ZeroRedundancyOptimizer::LocalFactory make;
+  bool fused;   // the local optimizer is one the fused step takes
+  double rtol;  // 0: bit for bit
+};
+
+void expect_overlap_matches(int world, const OverlapCase& c, bool interleaved, bool balanced) {
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    using ddpx::ddp::DDPOptions;
+    using ddpx::ddp::DistributedDataParallel;
+    const auto options = DDPOptions().bucket_cap_mb(0.004);
+    auto ref_net = overlap_net();
+    DistributedDataParallel ref(ref_net, pg, options);
+    ref.register_comm_hook(ddpx::hooks::allreduce_hook(pg));
+    std::vector<torch::optim::OptimizerParamGroup> ref_groups;
+    ref_groups.emplace_back(ref_net->parameters());
+    auto unsharded = c.make(std::move(ref_groups));
+
+    auto net = overlap_net();
+    DistributedDataParallel ddp(net, pg, options);
+    ZeroOptions o;
+    o.overlap_with_ddp = true;
+    o.bucket_cap_bytes = 256;
+    if (balanced) o.partition = ddpx::optim::ZeroPartition::kBalanced;
+    auto zero = std::make_shared<ZeroRedundancyOptimizer>(
+        std::vector<torch::optim::OptimizerParamGroup>{
+            torch::optim::OptimizerParamGroup(net->parameters())},
+        c.make, pg, o);
+    ddp.register_comm_hook(
+        interleaved
+            ? ddpx::hooks::hook_with_zero_step_interleaved(ddpx::hooks::allreduce_hook(pg), zero)
+            : ddpx::hooks::hook_with_zero_step(ddpx::hooks::allreduce_hook(pg), zero));
+    const std::string what = c.name + (interleaved ? " interleaved" : "") +
+                             (balanced ? " balanced" : "") + ", world " + std::to_string(world);
+    const auto initial = net->parameters()[2].detach().clone();
+    for (int64_t step = 0; step < 4; ++step) {
+      at::Generator gen =
+          at::detail::createCPUGenerator(static_cast<uint64_t>(50 + 7 * rank + step));
+      const at::Tensor x = randn({6, 8}, gen);
+      unsharded->zero_grad();
+      ref.forward(x).pow(2).sum().backward();
+      unsharded->step();
+      zero->zero_grad();
+      ddp.forward(x).pow(2).sum().backward();  // reduces, steps and exchanges
+      EXPECT_EQ(zero->last_step_fused(), c.fused) << what;
+      const auto got = net->parameters();
+      const auto want = ref_net->parameters();
+      for (size_t i = 0; i < got.size(); ++i) {
+        // Adam: within rtol of the parameter's largest value (some elements are near zero).
+        const bool same = c.rtol == 0 ? at::equal(got[i], want[i])
+                                      : (got[i] - want[i]).abs().max().item<double>() <=
+                                            c.rtol * want[i].abs().max().item<double>();
+        EXPECT_TRUE(same) << what << ", step " << step << ", parameter " << i << ": max diff "
+                          << (got[i] - want[i]).abs().max().item<double>();
+      }
+    }
+    EXPECT_FALSE(at::equal(net->parameters()[2], initial)) << what << ": nothing was stepped";
+    // The hook steps: a step() left in the loop does nothing.
+    const auto before = net->parameters()[0].detach().clone();
+    EXPECT_FALSE(zero->step().defined());
+    EXPECT_TRUE(at::equal(net->parameters()[0], before));
+  });
+}
+
+TEST(ZeroRedundancyOptimizer, OverlapWithDDPMatchesDDPThenTheUnshardedOptimizer) {
+  const std::vector<OverlapCase> cases = {
+      {"SGD",
+       [](std::vector<torch::optim::OptimizerParamGroup> g) {
+         return std::make_shared<torch::optim::SGD>(
+             std::move(g), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
+       },
+       true, 0},
+      {"Adam",
+       [](std::vector<torch::optim::OptimizerParamGroup> g) {
+         return std::make_shared<torch::optim::Adam>(std::move(g),
+                                                     torch::optim::AdamOptions(0.01).amsgrad(true));
+       },
+       true, 1e-6},
+      // No fused step: the local optimizer's own step, then the exchange of the bucket's units.
+      {"Adagrad",
+       [](std::vector<torch::optim::OptimizerParamGroup> g) {
+         return std::make_shared<torch::optim::Adagrad>(std::move(g),
+                                                        torch::optim::AdagradOptions(0.05));
+       },
+       false, 0},
+  };
+  for (int world : {2, 3}) {
+    for (const auto& c : cases) {
+      for (bool interleaved : {false, true}) {
+        for (bool balanced : {false, true}) expect_overlap_matches(world, c, interleaved, balanced);
+      }
+    }
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, OverlapHooksRefuseBadArguments) {
+  ddpx_test::run_ranks(2, [&](int, const ProcessGroupPtr& pg) {
+    auto p = make_params(0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(p);
+    auto make = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+      return std::make_shared<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.1));
+    };
+    auto plain = std::make_shared<ZeroRedundancyOptimizer>(groups, make, pg);
+    auto hook = ddpx::hooks::allreduce_hook(pg);
+    EXPECT_THROW(ddpx::hooks::hook_with_zero_step(hook, plain), c10::ValueError);
+    EXPECT_THROW(ddpx::hooks::hook_with_zero_step_interleaved(hook, plain), c10::ValueError);
+    ZeroOptions o;
+    o.overlap_with_ddp = true;
+    auto zero = std::make_shared<ZeroRedundancyOptimizer>(groups, make, pg, o);
+    EXPECT_THROW(ddpx::hooks::hook_with_zero_step(nullptr, zero), c10::ValueError);
+    EXPECT_THROW(ddpx::hooks::hook_with_zero_step(hook, nullptr), c10::ValueError);
+    EXPECT_EQ(ddpx::hooks::hook_with_zero_step(hook, zero)->name(), "hook_with_zero_fn");
+    // step_params: a tensor that is not one of the optimizer's, and mismatched lists.
+    const at::Tensor stranger = at::zeros({3}).requires_grad_();
+    EXPECT_THROW(zero->step_params({stranger}, {at::zeros({3})}), c10::ValueError);
+    EXPECT_THROW(zero->step_params({p[0]}, {}), c10::ValueError);
+    EXPECT_THROW(zero->step_params({p[0]}, {at::zeros({p[0].numel() + 1})}), c10::ValueError);
   });
 }
 

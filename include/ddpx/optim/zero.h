@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace torch {
@@ -54,6 +55,11 @@ struct ZeroOptions {
   // parameter group is partitioned on its own, and parameters_as_bucket_view flattens each group
   // (ZeroLayout's flatten) instead of packing each rank's parameters.
   ZeroPartition partition = ZeroPartition::kSortedGreedy;
+  // Read by ZeroRedundancyOptimizer only: the step runs inside DDP's backward pass, through a
+  // comm hook from hook_with_zero_step (hooks/ddp_zero_hook.h), and step() does nothing.
+  // parameters_as_bucket_view is then ignored (a warning), as in torch: the exchange goes bucket
+  // by bucket of DDP's, which bucket views would not match.
+  bool overlap_with_ddp = false;
 };
 
 // What one exchange did (tests and benchmarks).
@@ -241,8 +247,18 @@ class ZeroRedundancyOptimizer {
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr);
   // Every parameter's gradient (not only the shard's): dropped, or zeroed with false.
   void zero_grad(bool set_to_none = true);
-  // Whether the last step() ran the fused step (false: the local optimizer's own step).
+  // Whether the last step() (or step_params()) ran the fused step (false: the local optimizer's
+  // own step).
   bool last_step_fused() const { return last_step_fused_; }
+
+  // The overlap with DDP (overlap_with_ddp; called by the hooks of hooks/ddp_zero_hook.h): steps
+  // this rank's share of `params` (one or more DDP buckets' parameters, the same list on every
+  // rank) with `grads` (their reduced gradients, same order and shapes), then exchanges those
+  // parameters only. The local optimizer sees exactly these gradients for the step (its
+  // parameters' own .grad are put back afterwards). Every rank must call it with the same
+  // parameters. c10::ValueError for a parameter this optimizer does not hold or a gradient of
+  // another shape; c10::Error if a parameter's requires_grad changed since construction.
+  void step_params(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
 
   // The local optimizer over this rank's shard, and the shards' layout.
   torch::optim::Optimizer& local() { return *local_; }
@@ -256,10 +272,12 @@ class ZeroRedundancyOptimizer {
   const std::vector<ZeroPiece>& pieces(size_t index) const { return layout_.pieces(index); }
 
  private:
-  bool fused_step();
+  // The fused step of every local parameter with a gradient; with `subset` (step_params), the
+  // exchange of those units only.
+  bool fused_step(const std::vector<int64_t>* subset = nullptr);
   template <typename Optim, typename State>
-  bool fused_adam(Optim& optim, bool decoupled);
-  bool fused_sgd(torch::optim::SGD& optim);
+  bool fused_adam(Optim& optim, bool decoupled, const std::vector<int64_t>* subset);
+  bool fused_sgd(torch::optim::SGD& optim, const std::vector<int64_t>* subset);
 
   ZeroLayout layout_;
   std::shared_ptr<torch::optim::Optimizer> local_;
@@ -267,6 +285,10 @@ class ZeroRedundancyOptimizer {
   // Per group, the indices (into layout_.units()) of the local optimizer's parameters, in order.
   std::vector<std::vector<int64_t>> local_units_;
   bool last_step_fused_ = false;
+  // step_params' lookup: each parameter's index (into params()) by its TensorImpl, and whether
+  // it required a gradient at construction.
+  std::unordered_map<const void*, size_t> param_index_;
+  std::vector<bool> trainable_;
 };
 
 }  // namespace optim

@@ -93,6 +93,8 @@ class ZeroLayout {
   // rank that owns its first piece.
   const std::vector<ZeroPiece>& pieces(size_t index) const { return pieces_.at(index); }
   int64_t owner_of(size_t index) const { return pieces_.at(index).front().owner; }
+  // The index (into units()) of parameter `index`'s first unit; its pieces' units follow it.
+  size_t first_unit(size_t index) const { return first_unit_.at(index); }
 
   // The units, their owners and the index of the parameter each belongs to.
   const std::vector<at::Tensor>& units() const { return units_; }
