@@ -1,6 +1,6 @@
 """Accuracy of the quantized hooks over several seeds, against allreduce.
 
-Runs the main job (examples/train_digits.py, or examples/train_charlm.py with --task charlm) once
+Runs the main job (train_digits.py beside this file, or train_charlm.py with --task charlm) once
 per seed under torchrun with the quantized rows only (ddpx's quantized_hook at every width, with
 and without error feedback, and torch's quantization hooks) beside DDP's allreduce ("no hook",
 the first row), then prints per row, over the seeds, the test accuracy minus allreduce's (points)
@@ -38,7 +38,7 @@ def target(hook: str) -> Optional[Tuple[float, float]]:
 def run_seed(args, seed: int, extra: List[str]) -> List[Dict]:
     out = os.path.join(args.out, f"seed{seed}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", os.path.join(REPO, "examples", JOBS[args.task]),
+           f"--nproc_per_node={args.nproc}", os.path.join(REPO, "benchmarks", JOBS[args.task]),
            "--out", out, "--seed", str(seed), "--only", args.only, "--no-plot", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)

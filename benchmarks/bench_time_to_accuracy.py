@@ -37,7 +37,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(REPO, "examples"))
 
 import bench_network  # noqa: E402  (its hooks' registration and its counter reader)
 

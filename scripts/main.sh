@@ -8,7 +8,7 @@
 # pip-installed ddpx (find_package(ddpx) through ddpx.cmake_prefix_path, build tree
 # build-example/), launched by torchrun --no-python on the data and initial weights the Python job
 # exports, each row checked bit for bit against the Python row it repeats. Last, the model-parallel
-# job (examples/train_digits_rpc.py, 3 RPC workers): the same training with the MLP split over two
+# job (benchmarks/train_digits_rpc.py, 3 RPC workers): the same training with the MLP split over two
 # owners and stepped by ddpx's and torch's DistributedOptimizer. Outputs: out/results.md,
 # out/results.json, out/loss_curves.png, out/results_cpp.md, out/results_rpc.md.
 #
@@ -17,7 +17,7 @@
 #   DDPX_TORCH=debian ./scripts/main.sh     Debian's torch 1.13 (.venv-debian, build-pip-debian/)
 # DDPX_PYTHON_VERSION=3.12 picks the interpreter of a pip line (scripts/common.sh).
 #
-# Extra arguments go to examples/train_digits.py (e.g. --epochs 3, --only fp16, --lr 0.1).
+# Extra arguments go to benchmarks/train_digits.py (e.g. --epochs 3, --only fp16, --lr 0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/common.sh
@@ -36,11 +36,11 @@ run_job() {
   mkdir -p "$OUT_DIR"
   rm -f "$OUT_DIR/results.md"
   # The workers import the installed ddpx: the repository root holds python/ddpx, not ddpx/,
-  # so neither the working directory nor examples/ shadows it (the job logs where it came from).
+  # so neither the working directory nor benchmarks/ shadows it (the job logs where it came from).
   # PYTHONPATH is dropped so that a build tree on it (e.g. build/python) cannot shadow it either.
   # shellcheck disable=SC2046
   env -u PYTHONPATH "$DDPX_VENV/bin/python" -m torch.distributed.run --standalone \
-    --nproc_per_node=2 $(torchrun_args) examples/train_digits.py --out "$OUT_DIR/" \
+    --nproc_per_node=2 $(torchrun_args) benchmarks/train_digits.py --out "$OUT_DIR/" \
     --save-final-weights "$OUT_DIR/final_weights.pt" "$@"
 }
 
@@ -52,7 +52,7 @@ run_cpp_job() {
   cmake -S examples/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$prefix" > "$OUT_DIR/cpp_build.log"
   cmake --build "$build" --target train_digits -j "$(nproc)" >> "$OUT_DIR/cpp_build.log"
-  env -u PYTHONPATH "$DDPX_PY" examples/train_digits.py --export-cpp-data \
+  env -u PYTHONPATH "$DDPX_PY" benchmarks/train_digits.py --export-cpp-data \
     "$OUT_DIR/digits_cpp.pt" "$@"
   [ "$DDPX_TORCH" = debian ] && no_python=--no_python
   # shellcheck disable=SC2046
@@ -64,8 +64,8 @@ run_cpp_job() {
 ddpx_install_deps
 ddpx_setup_python
 ddpx_pip_install
-# From examples/, as the workers see it: `import ddpx` must find the package in the venv.
-(cd examples && env -u PYTHONPATH "../$DDPX_PY" -W ignore -c '
+# From benchmarks/ (the job's directory), as the workers see it: `import ddpx` must find the package in the venv.
+(cd benchmarks && env -u PYTHONPATH "../$DDPX_PY" -W ignore -c '
 import os, sys, ddpx
 where, venv = os.path.realpath(ddpx.__file__), os.path.realpath(sys.prefix)
 if not where.startswith(venv + os.sep):
@@ -87,7 +87,7 @@ echo "(C++ job, build included: $(( $(ddpx_now) - start )) s; log: $OUT_DIR/cpp_
 start=$(ddpx_now)
 # shellcheck disable=SC2046
 env -u PYTHONPATH "$DDPX_PY" -m torch.distributed.run --standalone --nproc_per_node=3 \
-  $(torchrun_args) examples/train_digits_rpc.py --out "$OUT_DIR/" \
+  $(torchrun_args) benchmarks/train_digits_rpc.py --out "$OUT_DIR/" \
   --compare "$OUT_DIR/final_weights.pt" > "$OUT_DIR/rpc_job.log" 2>&1 \
   || { cat "$OUT_DIR/rpc_job.log"; exit 1; }
 echo

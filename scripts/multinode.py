@@ -4,7 +4,7 @@ rate-limited, and a ``torchrun --nnodes N`` job launched across them with c10d r
 Gloo (and TensorPipe) bound to the nodes' interfaces.
 
     python3 scripts/multinode.py check
-    python3 scripts/multinode.py run --nodes 2 --rate 1gbit -- examples/train_digits.py --epochs 1
+    python3 scripts/multinode.py run --nodes 2 --rate 1gbit -- benchmarks/train_digits.py --epochs 1
     python3 scripts/multinode.py run --nodes 3 --python .venv/bin/python --no-python -- build/x
 
 Topology: node i is the namespace ``<prefix>-n<i>`` holding ``eth0`` with address

@@ -1,10 +1,10 @@
-// The ddpx C++ main job: examples/train_digits.py's training in a libtorch program. The same
+// The ddpx C++ main job: benchmarks/train_digits.py's training in a libtorch program. The same
 // digits MLP, initial weights, data split, batches, SGD and schedule, trained data-parallel with
 // ddpx::ddp::DistributedDataParallel once per configuration (DDP's default allreduce, torch's
 // built-in C++ hooks, ddpx's hooks, post-local SGD with ddpx's PostLocalSGDOptimizer, ddpx's
 // ZeroRedundancyOptimizer), launched by torchrun like any job:
 //
-//   python examples/train_digits.py --export-cpp-data out/digits_cpp.pt     # once, no download
+//   python benchmarks/train_digits.py --export-cpp-data out/digits_cpp.pt     # once, no download
 //   torchrun --standalone --nproc_per_node=2 --no-python build/examples/cpp/train_digits \
 //       --data out/digits_cpp.pt --out out/ [--compare out/final_weights.pt]
 //
@@ -117,7 +117,7 @@ c10::impl::GenericDict load_dict(const std::string& path, const char* what) {
   if (!in) {
     throw std::runtime_error(
         std::string("cannot open ") + what + " " + path +
-        " (make it with: python examples/train_digits.py " +
+        " (make it with: python benchmarks/train_digits.py " +
         (std::string(what) == "data file" ? "--export-cpp-data " : "--save-final-weights ... ") +
         path + ")");
   }

@@ -3,7 +3,7 @@
 with bit-identical weights, for DDP's default allreduce, torch's built-in C++ hooks and every
 ddpx hook and optimizer the C++ job runs.
 
-Both jobs are the main jobs (examples/train_digits.py and examples/cpp/train_digits.cpp), each
+Both jobs are the main jobs (benchmarks/train_digits.py and examples/cpp/train_digits.cpp), each
 launched by torchrun on 2 Gloo processes, on a smaller MLP for 2 epochs (PowerSGD and post-local
 SGD both reach their compressed / local phases): the Python job saves every row's final weights
 (rank 0), the C++ job trains on the data and initial weights the Python job exported and, with
@@ -51,7 +51,7 @@ def main() -> int:
     p.add_argument("--work", required=True, help="a folder for the files and logs")
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
-    script = os.path.join(ROOT, "examples", "train_digits.py")
+    script = os.path.join(ROOT, "benchmarks", "train_digits.py")
     data = os.path.join(args.work, "digits_cpp.pt")
     weights = os.path.join(args.work, "final_weights.pt")
     for f in (data, weights):

@@ -1,7 +1,7 @@
 """Every ddpx capability across machines: the main job (every hook drop-in and native, both
 wrappers, PowerSGD and its batched form, noop, post-local SGD with both averagers,
 PostLocalSGDOptimizer, ZeroRedundancyOptimizer with both partitions, bucket views, overlap and
-ZeRO-2: examples/train_digits.py --coverage), the C++ DistributedDataParallel program
+ZeRO-2: benchmarks/train_digits.py --coverage), the C++ DistributedDataParallel program
 (torchrun --no-python) and the model-parallel DistributedOptimizer job over RPC, each launched on
 N network namespaces joined by 1 Gbit/s links (scripts/multinode.py) and compared with the same
 job launched on one machine.
@@ -25,9 +25,9 @@ import multinode
 import torch_compat as tc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLES = os.path.join(REPO, "examples")
-JOB = os.path.join(EXAMPLES, "train_digits.py")
-RPC_JOB = os.path.join(EXAMPLES, "train_digits_rpc.py")
+HARNESSES = os.path.join(REPO, "benchmarks")  # the main job and its RPC twin
+JOB = os.path.join(HARNESSES, "train_digits.py")
+RPC_JOB = os.path.join(HARNESSES, "train_digits_rpc.py")
 # A small model and one epoch (22 steps at 2 ranks): CI-sized. One intra-op thread per rank in
 # both layouts (the default would give a lone rank per node both cores).
 SMALL = ["--epochs", "1", "--hidden", "32", "--depth", "2", "--threads", "1",

@@ -1,4 +1,4 @@
-"""examples/train_charlm.py, the main job's harder task: its data (windows of the standard
+"""benchmarks/train_charlm.py, the main job's harder task: its data (windows of the standard
 library's source, train and test text disjoint) and a tiny 2-rank run of its job that must learn
 (test loss well below the uniform guess) and report every row it was asked for."""
 import json
@@ -12,7 +12,7 @@ import torch
 import torch_compat as tc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "examples"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import train_charlm as clm  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def test_windows_are_the_text_and_train_and_test_do_not_overlap():
 
 def test_tiny_job_learns_and_reports_its_rows(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *tc.TORCHRUN_WORKAROUND_ARGS, os.path.join(REPO, "examples", "train_charlm.py"),
+           *tc.TORCHRUN_WORKAROUND_ARGS, os.path.join(REPO, "benchmarks", "train_charlm.py"),
            "--out", str(tmp_path), "--chars", "300000", "--train-samples", "8192",
            "--test-samples", "2048", "--epochs", "1", "--hidden", "64", "--depth", "1",
            "--threads", "1", "--warmup-steps", "2", "--only", "quantized_hook 8 bits",

@@ -496,7 +496,7 @@ def _drop_local_optimizers():
 # ---- the model-parallel example ------------------------------------------------------------
 @pytest.mark.cases()
 def test_model_parallel_example(tmp_path):
-    """examples/train_digits_rpc.py under torchrun (3 workers, 1 epoch, a small MLP): ddpx's
+    """benchmarks/train_digits_rpc.py under torchrun (3 workers, 1 epoch, a small MLP): ddpx's
     and torch's DistributedOptimizer rows end with identical weights, and training learns."""
     import subprocess
 
@@ -504,7 +504,7 @@ def test_model_parallel_example(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     if torch.__version__ < "2":
         cmd += ["--redirects", "1", "--tee", "1"]  # torch 1.13's torchrun on Python 3.11
-    cmd += [os.path.join(repo, "examples", "train_digits_rpc.py"), "--out", str(tmp_path),
+    cmd += [os.path.join(repo, "benchmarks", "train_digits_rpc.py"), "--out", str(tmp_path),
             "--epochs", "1", "--hidden", "32", "--lr", "0.2", "--warmup-steps", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

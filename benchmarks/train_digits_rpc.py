@@ -6,7 +6,7 @@ Three processes (torchrun --nproc_per_node=3): worker1 owns the first layer of t
 them with distributed autograd: for each batch a forward through both owners, the loss on the
 trainer, dist_autograd.backward, and one DistributedOptimizer step, which updates each owner's
 parameters on that owner. Same data split, initial weights, SGD (lr 0.03, momentum 0.9), epochs
-and batches as examples/train_digits.py: each step's batch is the union of the two DDP ranks'
+and batches as benchmarks/train_digits.py: each step's batch is the union of the two DDP ranks'
 batches of that step, so the gradient is the one DDP averages, and the run repeats the DDP job's
 training (up to rounding: the sums are grouped differently).
 
@@ -15,7 +15,7 @@ functional path for SGD), each from the same initial weights. Prints a table (te
 ms per step, final loss, max |w - w(other row)|, and, with --compare, max |w - w(DDP job)|) and
 writes <out>/results_rpc.md.
 
-    torchrun --standalone --nproc_per_node=3 examples/train_digits_rpc.py --out out/ \
+    torchrun --standalone --nproc_per_node=3 benchmarks/train_digits_rpc.py --out out/ \
         [--compare out/final_weights.pt]
 """
 import argparse

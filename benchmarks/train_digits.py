@@ -5,7 +5,7 @@ Launch (2 processes, Gloo on CPU; NCCL when there is one GPU per process), with 
 (`pip install --no-build-isolation .`, as scripts/main.sh does into .venv)::
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 \
-        examples/train_digits.py --out out/
+        benchmarks/train_digits.py --out out/
 
 (With Debian's torch 1.13 on Python 3.11 add `--redirects 1 --tee 1`: it works around a crash of
 that torchrun; it prefixes every line a rank prints with ``[default<rank>]:``, so the final table
@@ -664,7 +664,7 @@ class Task:
     """What the job trains: the data (x_train, y_train, x_test, y_test; y a class index), the
     network (called under torch.manual_seed(seed): the same initial weights on every rank), and
     the words the report uses for them. Another example trains every configuration on another
-    task by passing its own to `main` (examples/train_charlm.py)."""
+    task by passing its own to `main` (benchmarks/train_charlm.py)."""
     title: str  # "digits MLP": the pictures' and the table's name of the task
     model: str  # "MLP 64-512-512-10"
     test_set: str  # "the whole test set (360 images)"

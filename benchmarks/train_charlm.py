@@ -18,7 +18,7 @@ the same model from the same weights on the same batches; the report is the main
 test loss per character (nats) beside the next-byte accuracy. Launch like the main job::
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        examples/train_charlm.py --out out/charlm --only quantiz,fp16_compress_hook
+        benchmarks/train_charlm.py --out out/charlm --only quantiz,fp16_compress_hook
 
 The text depends on the interpreter's version (its standard library), so compare rows within
 one run; the report names the Python version.
