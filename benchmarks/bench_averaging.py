@@ -17,9 +17,9 @@ Configurations, all averaging the same list of parameters over the whole group:
 The model (default, >= 50 M fp32 parameters): --layers x (Linear(W, W) + LayerNorm(W)), a
 head Linear(W, W/4) and --mid small heads Linear(W, --mid-out), W = --width: big weight
 matrices (16 MiB each, which ddpx reduces in their own storage), a medium head weight (4 MiB:
-staged at a 25 MB cap, in place at 1 and 4 MB: ddpx reduces a tensor in place from a quarter
-bucket up), 64 small-head weights of 192 KiB (12 MiB together, staged at every cap here, so
-they fill several buckets at 1 and 4 MB) and small biases / LayerNorm parameters (staged).
+in place at every cap here: ddpx reduces a tensor in place from a quarter bucket or 256 KiB,
+whichever is less), 64 small-head weights of 192 KiB (12 MiB together, staged at every cap
+here, so they fill several buckets at 1 and 4 MB) and small biases / LayerNorm parameters (staged).
 Every parameter has a .grad (zeros) because the averagers skip parameters without one (torch's
 get_params_to_average). Each rank starts from its own random values, so the average is not
 trivial.

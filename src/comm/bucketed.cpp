@@ -11,49 +11,12 @@
 #include <utility>
 
 #include "comm/digest.h"
+#include "comm/packer.h"
 
 namespace ddpx {
 namespace comm {
 
 namespace {
-
-// A run of `len` elements of a flattened source tensor, from element `src_offset`, packed at
-// element `dst_offset` of a staging bucket.
-struct Segment {
-  size_t source;  // index into Plan::sources
-  int64_t src_offset;
-  int64_t dst_offset;
-  int64_t len;
-};
-
-// One allreduce: a parameter in its own storage, or a staging bucket of segments.
-struct Job {
-  int64_t inplace_source = -1;  // >= 0: index into Plan::sources reduced in place
-  std::vector<Segment> segments;
-  int64_t numel = 0;
-};
-
-// How a parameter's values reach the staging buckets.
-enum class Access {
-  kFlat,       // contiguous: 1-D view of its own storage
-  kWhole,      // non-contiguous, fits one bucket: copied whole through a view of the bucket
-  kTemporary,  // non-contiguous, larger than a bucket: through a contiguous copy, made when its
-               // first segment is packed and written back and freed after its last unpack
-};
-
-struct Source {
-  at::Tensor param;  // the caller's tensor
-  Access access = Access::kFlat;
-  at::Tensor flat;      // kFlat: view of param; kTemporary: the copy while in use
-  int64_t pending = 0;  // kTemporary: segments not unpacked yet
-};
-
-struct Plan {
-  std::vector<Source> sources;
-  std::vector<Job> jobs;
-  int64_t max_staged = 0;    // largest staging bucket, in elements
-  int live_temporaries = 0;  // kTemporary copies alive now
-};
 
 // ---- aliasing -------------------------------------------------------------------------------
 
@@ -185,119 +148,23 @@ Agreement agree(const std::vector<at::Tensor>& tensors, const Aliasing& aliasing
   return {same[0], same[0] && same[1]};
 }
 
-// The plan depends on the layouts only through `own_storage` (the same on every rank): which
-// tensors are staged and how the buckets are cut depend on numel and dtype alone.
-Plan make_plan(const std::vector<at::Tensor>& params, at::ScalarType dtype, int64_t cap_elems,
-               bool own_storage) {
-  Plan plan;
-  const int64_t inplace_min = std::max<int64_t>(1, cap_elems / 4);
-  Job open;  // the staging bucket being filled
-  auto close = [&] {
-    if (open.numel == 0) return;
-    plan.max_staged = std::max(plan.max_staged, open.numel);
-    plan.jobs.push_back(std::move(open));
-    open = Job{};
-  };
-  for (const at::Tensor& p : params) {
-    Source src;
-    src.param = p;
-    const int64_t n = p.numel();
-    const bool dense = p.is_non_overlapping_and_dense();
-    if (own_storage && dense) {
-      // Contiguous, or dense in another order: a 1-D view of its storage.
-      src.flat = p.is_contiguous() ? p.view({-1}) : p.as_strided({n}, {1}, p.storage_offset());
-    } else if (p.is_contiguous()) {
-      src.flat = p.view({-1});
-    } else {
-      src.access = n <= cap_elems ? Access::kWhole : Access::kTemporary;
-    }
-    const size_t index = plan.sources.size();
-    if (n == 0) {
-      plan.sources.push_back(std::move(src));
-      continue;
-    }
-    if (own_storage && dense && p.scalar_type() == dtype && n >= inplace_min) {
-      plan.sources.push_back(std::move(src));
-      Job job;
-      job.inplace_source = static_cast<int64_t>(index);
-      job.numel = n;
-      plan.jobs.push_back(std::move(job));
-      continue;
-    }
-    // A tensor that fits a bucket goes in one run of one bucket (a whole-tensor copy needs it);
-    // a larger one starts a bucket of its own, so that no bucket holds the end of one temporary
-    // copy and the start of another: then at most one copy is alive (see average_on_device).
-    // By numel only, whatever the access, so every rank cuts the same buckets.
-    if ((n <= cap_elems && open.numel + n > cap_elems) || n > cap_elems) close();
-    // Pack, splitting across buckets when it does not fit.
-    int64_t done = 0;
-    while (done < n) {
-      if (open.numel == cap_elems) close();
-      const int64_t len = std::min(n - done, cap_elems - open.numel);
-      open.segments.push_back(Segment{index, done, open.numel, len});
-      open.numel += len;
-      done += len;
-      ++src.pending;
-    }
-    plan.sources.push_back(std::move(src));
-  }
-  close();
-  return plan;
-}
-
-// Copies a segment's values into its place in a staging bucket (casting to the bucket's dtype).
-void pack(Source& src, const Segment& seg, const at::Tensor& bucket, int& live_temporaries) {
-  at::Tensor dst = bucket.narrow(0, seg.dst_offset, seg.len);
-  switch (src.access) {
-    case Access::kWhole:
-      dst.view(src.param.sizes()).copy_(src.param);
-      return;
-    case Access::kTemporary:
-      if (!src.flat.defined()) {
-        src.flat = src.param.contiguous().view({-1});
-        ++live_temporaries;
-      }
-      break;
-    case Access::kFlat:
-      break;
-  }
-  dst.copy_(src.flat.narrow(0, seg.src_offset, seg.len));
-}
-
-// Copies a segment's averaged values back into the parameter (casting back to its dtype).
-void unpack(Source& src, const Segment& seg, const at::Tensor& bucket, int& live_temporaries) {
-  const at::Tensor values = bucket.narrow(0, seg.dst_offset, seg.len);
-  switch (src.access) {
-    case Access::kWhole:
-      src.param.copy_(values.view(src.param.sizes()));
-      return;
-    case Access::kFlat:
-      src.flat.narrow(0, seg.src_offset, seg.len).copy_(values);
-      return;
-    case Access::kTemporary:
-      src.flat.narrow(0, seg.src_offset, seg.len).copy_(values);
-      if (--src.pending == 0) {
-        src.param.copy_(src.flat.view(src.param.sizes()));
-        src.flat = at::Tensor();
-        --live_temporaries;
-      }
-      return;
-  }
-}
-
 struct InFlight {
-  size_t job;
+  size_t message;
   int slot;  // staging slot, -1 for in place
   c10::intrusive_ptr<c10d::Work> work;
 };
 
+// `own_storage`: the ranks lay the tensors out alike (agree()), so dense ones may travel in their
+// own storage, in memory order. The messages then depend on the layouts only through it (the same
+// on every rank).
 void run_on_device(const std::vector<at::Tensor>& params, const ProcessGroupPtr& pg,
                    const BucketCollective& collective, at::ScalarType dtype, int64_t cap_bytes,
                    bool own_storage, BucketStats& stats) {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  Packer packer(params, dtype, cap_bytes, own_storage ? OwnStorage::kDense : OwnStorage::kNever);
   const int64_t cap_elems = std::max<int64_t>(1, cap_bytes / elem);
-  Plan plan = make_plan(params, dtype, cap_elems, own_storage);
   const auto options = params.front().options().dtype(dtype);
+  const std::vector<PackMessage>& messages = packer.messages();
 
   // Two staging buffers, sized to the largest bucket of this call and allocated only if used.
   at::Tensor slots[2];
@@ -309,53 +176,47 @@ void run_on_device(const std::vector<at::Tensor>& params, const ProcessGroupPtr&
     InFlight f = std::move(in_flight.front());
     in_flight.pop_front();
     f.work->wait();
-    const Job& job = plan.jobs[f.job];
-    in_flight_elems -= job.numel;
+    in_flight_elems -= messages[f.message].numel;
     if (f.slot >= 0) {
-      // Unpack: copy_ casts back to each parameter's dtype.
-      for (const Segment& s : job.segments) {
-        unpack(plan.sources[s.source], s, slots[f.slot], plan.live_temporaries);
-      }
+      // copy_ casts back to each tensor's dtype.
+      packer.unpack(f.message, slots[f.slot]);
       slot_busy[f.slot] = false;
     }
   };
 
   try {
-    for (size_t j = 0; j < plan.jobs.size(); ++j) {
-      const Job& job = plan.jobs[j];
+    for (size_t m = 0; m < messages.size(); ++m) {
+      const PackMessage& msg = messages[m];
       at::Tensor values;
       int slot = -1;
-      if (job.inplace_source >= 0) {
-        values = plan.sources[job.inplace_source].flat;
+      if (msg.own_source >= 0) {
+        values = packer.own_values(m);
         ++stats.inplace_tensors;
       } else {
         while (slot_busy[0] && slot_busy[1]) finish_oldest();
         // A bucket that starts a temporary copy waits for the previous copy to be written
         // back: one copy alive at a time.
-        const Source& first = plan.sources[job.segments.front().source];
-        if (first.access == Access::kTemporary && !first.flat.defined()) {
-          while (plan.live_temporaries > 0 && !in_flight.empty()) finish_oldest();
+        if (packer.starts_temporary(m)) {
+          while (packer.live_temporaries() > 0 && !in_flight.empty()) finish_oldest();
         }
         slot = slot_busy[0] ? 1 : 0;
         if (!slots[slot].defined()) {
-          slots[slot] = at::empty({plan.max_staged}, options);
-          stats.staging_bytes += plan.max_staged * elem;
+          slots[slot] = at::empty({packer.max_staged()}, options);
+          stats.staging_bytes += packer.max_staged() * elem;
         }
         slot_busy[slot] = true;
-        values = slots[slot].narrow(0, 0, job.numel);
-        for (const Segment& s : job.segments) {
-          pack(plan.sources[s.source], s, values, plan.live_temporaries);
-        }
+        values = slots[slot].narrow(0, 0, msg.numel);
+        packer.pack(m, values);
       }
       // At most ~two buckets' worth of collectives in flight (staged ones are bounded by the two
       // slots already; this also keeps Gloo's per-collective buffers few).
-      while (!in_flight.empty() && in_flight_elems + job.numel > 2 * cap_elems) finish_oldest();
+      while (!in_flight.empty() && in_flight_elems + msg.numel > 2 * cap_elems) finish_oldest();
       // Any preparation of the values (AllreduceMean's division) runs while the previous
       // collectives are in flight.
       auto work = collective.start(*pg, values);
       ++stats.collectives;
-      in_flight.push_back(InFlight{j, slot, std::move(work)});
-      in_flight_elems += job.numel;
+      in_flight.push_back(InFlight{m, slot, std::move(work)});
+      in_flight_elems += msg.numel;
     }
     while (!in_flight.empty()) finish_oldest();
   } catch (...) {
@@ -369,13 +230,7 @@ void run_on_device(const std::vector<at::Tensor>& params, const ProcessGroupPtr&
     }
     throw;
   }
-
-  // Count each staged parameter once, even when it spans several buckets.
-  std::vector<bool> staged(plan.sources.size(), false);
-  for (const Job& job : plan.jobs) {
-    for (const Segment& s : job.segments) staged[s.source] = true;
-  }
-  stats.staged_tensors += std::count(staged.begin(), staged.end(), true);
+  stats.staged_tensors += packer.staged_sources();
 }
 
 // Groups `tensors` as the collective travels: per device in order of first appearance, and per

@@ -12,44 +12,18 @@
 #include <unordered_map>
 #include <utility>
 
+#include "comm/packer.h"
+
 namespace ddpx {
 namespace optim {
 
 namespace {
 
 constexpr int64_t kGatherAlign = 64;  // bytes; every packed tensor starts at a multiple
-// A contiguous parameter of this many bytes (or a quarter bucket, if less) is broadcast in its
-// own storage: a message this large already amortises its latency, and staging it would cost
-// memory (two rounds of buffers) and two copies.
-constexpr int64_t kInplaceMinBytes = 256 * 1024;
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 int64_t align_up(int64_t n) { return (n + kGatherAlign - 1) / kGatherAlign * kGatherAlign; }
-
-// Copies `t`'s elements to (into_flat) or from `flat`, a contiguous 1-D tensor of t's dtype,
-// from element `offset`. Contiguous CPU tensors are copied with memcpy: a staged chunk packs
-// many small parameters, and an ATen copy per parameter costs microseconds of dispatch each.
-void copy_elements(const at::Tensor& t, const at::Tensor& flat, int64_t offset, bool into_flat) {
-  if (t.numel() == 0) return;
-  if (t.device().is_cpu() && flat.device().is_cpu() && t.is_contiguous()) {
-    char* base = static_cast<char*>(flat.data_ptr()) + offset * flat.element_size();
-    char* own = static_cast<char*>(t.data_ptr());
-    const size_t n = static_cast<size_t>(nbytes(t));
-    if (into_flat) {
-      std::memcpy(base, own, n);
-    } else {
-      std::memcpy(own, base, n);
-    }
-    return;
-  }
-  at::Tensor slot = flat.narrow(0, offset, t.numel()).view(t.sizes());
-  if (into_flat) {
-    slot.copy_(t);
-  } else {
-    t.copy_(slot);
-  }
-}
 
 // `bytes` (a 1-D byte tensor) from `offset` seen as a tensor of `dtype` and `sizes`.
 at::Tensor typed_view(const at::Tensor& bytes, int64_t offset, at::ScalarType dtype,
@@ -177,9 +151,7 @@ void ZeroShards::plan() {
   int64_t staged = 0;
   for (const auto& chunks : chunks_) {
     for (const Chunk& c : chunks) {
-      if (!c.bucket_slice.defined() && c.own_param < 0) {
-        staged += c.numel * static_cast<int64_t>(params_.front().element_size());
-      }
+      if (c.staged()) staged += c.numel * static_cast<int64_t>(params_.front().element_size());
     }
   }
   keep_staging_ = staged <= 2 * options_.bucket_cap_bytes;
@@ -226,55 +198,50 @@ void ZeroShards::plan_bucket_slices() {
   }
 }
 
+bool ZeroShards::Chunk::staged() const {
+  return packer && packer->messages()[message].own_source < 0;
+}
+
 void ZeroShards::plan_loose(const std::vector<int64_t>& indices,
                             std::vector<std::vector<Chunk>>& table,
                             std::vector<int64_t>& unchunked) const {
   table.assign(static_cast<size_t>(world_size_), {});
   unchunked.clear();
-  const int64_t cap = options_.bucket_cap_bytes;
   for (int64_t r = 0; r < world_size_; ++r) {
-    std::vector<Chunk>& chunks = table[r];
-    // Parameters in their own storage where large and contiguous; the rest packed per device.
-    const int64_t inplace_min = std::min(cap / 4, kInplaceMinBytes);
-    std::vector<Chunk> open;  // one per device, in order of first appearance
+    // Rank r's parameters per device, devices in order of first appearance: one packer each.
+    std::vector<std::pair<c10::Device, std::vector<int64_t>>> per_device;
     for (const int64_t i : indices) {
       if (owners_[i] != r) continue;
-      const at::Tensor& p = params_[i];
-      const int64_t bytes = nbytes(p);
-      if (bytes == 0) {
+      if (params_[i].numel() == 0) {
         if (r == rank_) unchunked.push_back(i);
         continue;
       }
-      if (p.is_contiguous() && bytes >= inplace_min) {
-        Chunk own;
-        own.owner = r;
-        own.params = {i};
-        own.numel = p.numel();
-        own.own_param = i;
-        own.device = p.device();
-        chunks.push_back(std::move(own));
-        continue;
+      auto it = std::find_if(per_device.begin(), per_device.end(),
+                             [&](const auto& d) { return d.first == params_[i].device(); });
+      if (it == per_device.end()) {
+        per_device.emplace_back(params_[i].device(), std::vector<int64_t>{});
+        it = per_device.end() - 1;
       }
-      auto it = std::find_if(open.begin(), open.end(),
-                             [&](const Chunk& c) { return c.device == p.device(); });
-      if (it == open.end()) {
-        Chunk fresh;
-        fresh.owner = r;
-        fresh.device = p.device();
-        open.push_back(std::move(fresh));
-        it = open.end() - 1;
-      }
-      if (!it->params.empty() &&
-          (it->numel * static_cast<int64_t>(p.element_size()) + bytes) > cap) {
-        chunks.push_back(std::move(*it));
-        it->params.clear();
-        it->numel = 0;
-      }
-      it->params.push_back(i);
-      it->numel += p.numel();
+      it->second.push_back(i);
     }
-    for (Chunk& c : open) {
-      if (!c.params.empty()) chunks.push_back(std::move(c));
+    for (const auto& [device, owned] : per_device) {
+      std::vector<at::Tensor> tensors;
+      for (int64_t i : owned) tensors.push_back(params_[i]);
+      // The packer keeps the parameters themselves, so data rebound since (bucket views,
+      // `p.data = ...`) are read and written where they are at exchange time.
+      auto packer =
+          std::make_shared<comm::Packer>(std::move(tensors), params_[owned[0]].scalar_type(),
+                                         options_.bucket_cap_bytes, comm::OwnStorage::kContiguous);
+      for (size_t m = 0; m < packer->messages().size(); ++m) {
+        Chunk chunk;
+        chunk.owner = r;
+        chunk.device = device;
+        chunk.packer = packer;
+        chunk.message = m;
+        chunk.numel = packer->messages()[m].numel;
+        for (size_t s : packer->starting_in(m)) chunk.params.push_back(owned[s]);
+        table[r].push_back(std::move(chunk));
+      }
     }
   }
 }
@@ -331,12 +298,12 @@ ZeroExchangeStats ZeroShards::run(std::vector<std::vector<Chunk>>& table,
   auto finish = [&](Round& round) {
     for (Round::Item& item : round.items) {
       item.work->wait();
-      if (!item.staged.defined() || item.chunk->owner == rank_) continue;
-      int64_t offset = 0;
-      for (int64_t i : item.chunk->params) {
-        at::Tensor dst = data(i);
-        copy_elements(dst, item.staged, offset, /*into_flat=*/false);
-        offset += dst.numel();
+      if (!item.staged.defined()) continue;
+      comm::Packer& packer = *item.chunk->packer;
+      if (item.chunk->owner == rank_) {
+        packer.release(item.chunk->message);
+      } else {
+        packer.unpack(item.chunk->message, item.staged);
       }
     }
   };
@@ -352,11 +319,8 @@ ZeroExchangeStats ZeroShards::run(std::vector<std::vector<Chunk>>& table,
       if (chunk.bucket_slice.defined()) {
         values = chunk.bucket_slice;
         ++stats.inplace_broadcasts;
-      } else if (chunk.own_param >= 0) {
-        values = data(chunk.own_param);
-        TORCH_CHECK(values.is_contiguous(), "ZeroRedundancyOptimizer: parameter ", chunk.own_param,
-                    " stopped being contiguous after construction");
-        values = values.view(-1);
+      } else if (!chunk.staged()) {
+        values = chunk.packer->own_values(chunk.message);
         ++stats.inplace_broadcasts;
       } else {
         if (keep_staging && chunk.staging.defined()) {
@@ -365,14 +329,7 @@ ZeroExchangeStats ZeroShards::run(std::vector<std::vector<Chunk>>& table,
           values = at::empty({chunk.numel}, at::TensorOptions().dtype(dtype).device(chunk.device));
           if (keep_staging) chunk.staging = values;
         }
-        if (r == rank_) {
-          int64_t offset = 0;
-          for (int64_t i : chunk.params) {
-            const at::Tensor src = data(i);
-            copy_elements(src, values, offset, /*into_flat=*/true);
-            offset += src.numel();
-          }
-        }
+        if (r == rank_) chunk.packer->pack(chunk.message, values);
         item.staged = values;
         stats.staged_bytes += nbytes(values);
       }
@@ -430,7 +387,8 @@ std::vector<std::vector<at::Tensor>> ZeroShards::gather(int64_t to,
       header.push_back(static_cast<int64_t>(t.scalar_type()));
       header.push_back(t.dim());
       for (int64_t s : t.sizes()) header.push_back(s);
-      const bool alone = t.is_contiguous() && t.device() == device && nbytes(t) >= kInplaceMinBytes;
+      const bool alone = t.is_contiguous() && t.device() == device &&
+                         nbytes(t) >= comm::own_storage_min_bytes(comm::kDefaultBucketBytes);
       offsets.push_back(alone ? -1 : total);
       header.push_back(offsets.back());
       if (!alone) total = align_up(total + nbytes(t));

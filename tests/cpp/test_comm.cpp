@@ -2,6 +2,9 @@
 // over one in-memory store, see test_utils.h), beyond what average_parameters' tests cover:
 //   * run_bucketed with Broadcast: every dtype (integers too: no promotion), in place, staged,
 //     non-contiguous and larger-than-a-bucket tensors, any root; bit for bit;
+//   * Packer, the one packer under run_bucketed and ZeRO's exchange: its plan (which tensors
+//     travel in their own storage, how buckets are cut), pack/unpack round trips with casts,
+//     temporaries, and tensors whose data are rebound after planning;
 //   * DeferredCollective: the issue order it promises, and failures routed to their own bucket;
 //   * compat::make_reducer: DDP's C++ Reducer built through ddpx's factory, with a ddpx hook,
 //     averages gradients (the base of a C++ DistributedDataParallel).
@@ -21,6 +24,7 @@
 
 #include "comm/deferred.h"
 #include "comm/exchange.h"
+#include "comm/packer.h"
 #include "common/compat_internal.h"
 #include "test_utils.h"
 
@@ -101,6 +105,189 @@ TEST(RunBucketed, BadArguments) {
 }
 
 // ---- DeferredCollective -------------------------------------------------------------------------
+
+// ---- Packer ---------------------------------------------------------------------------------
+
+using ddpx::comm::OwnStorage;
+using ddpx::comm::Packer;
+using ddpx::comm::PackMessage;
+
+// Tensors taking each path with 64-byte buckets of fp32 (16 elements; own storage from 16 bytes):
+// contiguous and large, small, a dense transpose larger than a bucket, a non-dense slice that fits
+// a bucket, a non-dense one larger than a bucket, fp64 (never in its own storage: another dtype),
+// an empty one.
+std::vector<at::Tensor> packer_inputs() {
+  at::manual_seed(7);
+  return {at::randn({40}),
+          at::randn({3}),
+          at::randn({5, 7}).t(),
+          at::randn({8, 3}).slice(1, 0, 3, 2),
+          at::randn({30, 3}).slice(1, 0, 3, 2),
+          at::randn({20}, at::kDouble),
+          at::randn({0})};
+}
+
+// Every source's elements, in logical order, exactly once over the messages; each source listed
+// in starting_in() of the message carrying its first element.
+void expect_covers_each_element_once(const Packer& packer) {
+  const auto& tensors = packer.tensors();
+  std::vector<int64_t> seen(tensors.size(), 0);
+  std::vector<int> starts(tensors.size(), 0);
+  for (size_t m = 0; m < packer.messages().size(); ++m) {
+    const PackMessage& msg = packer.messages()[m];
+    for (size_t s : packer.starting_in(m)) {
+      EXPECT_EQ(seen[s], 0) << "source " << s << " starts in message " << m << " but came earlier";
+      ++starts[s];
+    }
+    if (msg.own_source >= 0) {
+      EXPECT_TRUE(msg.segments.empty());
+      EXPECT_EQ(msg.numel, tensors[msg.own_source].numel());
+      seen[msg.own_source] += msg.numel;
+      continue;
+    }
+    int64_t offset = 0;
+    for (const auto& seg : msg.segments) {
+      EXPECT_EQ(seg.dst_offset, offset);
+      EXPECT_EQ(seg.src_offset, seen[seg.source]) << "source " << seg.source << " out of order";
+      seen[seg.source] += seg.len;
+      offset += seg.len;
+    }
+    EXPECT_EQ(offset, msg.numel);
+    EXPECT_LE(msg.numel, packer.max_staged());
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_EQ(seen[i], tensors[i].numel()) << "source " << i;
+    EXPECT_EQ(starts[i], tensors[i].numel() > 0 ? 1 : 0) << "source " << i;
+  }
+}
+
+TEST(Packer, OwnStorageThresholdIsAQuarterBucketAtMost256KiB) {
+  EXPECT_EQ(ddpx::comm::own_storage_min_bytes(64), 16);
+  EXPECT_EQ(ddpx::comm::own_storage_min_bytes(1 << 20), 256 * 1024);
+  EXPECT_EQ(ddpx::comm::own_storage_min_bytes(ddpx::comm::kDefaultBucketBytes), 256 * 1024);
+  EXPECT_EQ(ddpx::comm::own_storage_min_bytes(3), 1);
+}
+
+TEST(Packer, PlansWhichTensorsTravelInTheirOwnStorage) {
+  const auto inputs = packer_inputs();
+  auto owners = [](const Packer& p) {
+    std::vector<int64_t> own;
+    for (const auto& m : p.messages()) {
+      if (m.own_source >= 0) own.push_back(m.own_source);
+    }
+    return own;
+  };
+  const Packer never(inputs, at::kFloat, 64, OwnStorage::kNever);
+  const Packer contiguous(inputs, at::kFloat, 64, OwnStorage::kContiguous);
+  const Packer dense(inputs, at::kFloat, 64, OwnStorage::kDense);
+  EXPECT_TRUE(owners(never).empty());
+  EXPECT_EQ(owners(contiguous), (std::vector<int64_t>{0}));
+  EXPECT_EQ(owners(dense), (std::vector<int64_t>{0, 2}));
+  for (const Packer* p : {&never, &contiguous, &dense}) {
+    expect_covers_each_element_once(*p);
+    EXPECT_LE(p->max_staged(), 16);  // 64 bytes of fp32
+  }
+  // Staged: 3 + 35 + 12 + 30 + 20 (+ 40 + 35 with kNever) elements of 16 per bucket; a tensor
+  // larger than a bucket starts one of its own.
+  EXPECT_EQ(never.staged_sources(), 6);
+  EXPECT_EQ(contiguous.staged_sources(), 5);
+  EXPECT_EQ(dense.staged_sources(), 4);
+  // The slice larger than a bucket (30 elements) starts a bucket: 16 + 14.
+  for (const auto& m : contiguous.messages()) {
+    for (const auto& seg : m.segments) {
+      if (seg.source == 4 && seg.src_offset == 0) EXPECT_EQ(seg.dst_offset, 0);
+    }
+  }
+}
+
+// Packs every message, scales the buckets by 2 (what a collective might do), unpacks into the
+// same tensors: every element doubled, in its own dtype, through every access path and a cast.
+TEST(Packer, PackUnpackRoundTripsThroughEveryPath) {
+  for (at::ScalarType wire : {at::kFloat, at::kDouble}) {
+    for (OwnStorage own : {OwnStorage::kNever, OwnStorage::kContiguous, OwnStorage::kDense}) {
+      auto inputs = packer_inputs();
+      std::vector<at::Tensor> expected;  // the fp64 tensor through an fp32 wire: rounded
+      for (const auto& t : inputs) expected.push_back((t.to(wire) * 2).to(t.scalar_type()));
+      Packer packer(inputs, wire, 64, own);
+      for (size_t m = 0; m < packer.messages().size(); ++m) {
+        const PackMessage& msg = packer.messages()[m];
+        if (msg.own_source >= 0) {
+          packer.own_values(m).mul_(2);
+          continue;
+        }
+        at::Tensor bucket = at::full({msg.numel}, -1.0, at::TensorOptions().dtype(wire));
+        packer.pack(m, bucket);
+        EXPECT_FALSE(at::equal(bucket, at::full_like(bucket, -1.0)));
+        bucket.mul_(2);
+        packer.unpack(m, bucket);
+      }
+      EXPECT_EQ(packer.live_temporaries(), 0);
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        EXPECT_TRUE(at::equal(inputs[i], expected[i]))
+            << "wire " << wire << " own " << static_cast<int>(own) << " tensor " << i;
+      }
+    }
+  }
+}
+
+// The sender's side (pack, then release) leaves the tensors alone and the temporaries freed, and
+// the packer serves again (ZeRO reuses its packers every step); a tensor whose data were rebound
+// after planning is read where its data are now.
+TEST(Packer, ReleaseAndRebindingKeepThePackerReusable) {
+  auto inputs = packer_inputs();
+  for (auto& t : inputs) t.set_requires_grad(true);
+  Packer packer(inputs, at::kFloat, 64, OwnStorage::kContiguous);
+  at::NoGradGuard no_grad;
+  int temporaries_started = 0;
+  auto gather = [&] {
+    std::vector<at::Tensor> parts;
+    for (size_t m = 0; m < packer.messages().size(); ++m) {
+      const PackMessage& msg = packer.messages()[m];
+      if (msg.own_source >= 0) {
+        parts.push_back(packer.own_values(m).clone());
+        continue;
+      }
+      at::Tensor bucket = at::empty({msg.numel});
+      const bool starts = packer.starts_temporary(m);
+      if (starts) ++temporaries_started;
+      packer.pack(m, bucket);
+      if (starts) EXPECT_EQ(packer.live_temporaries(), 1);  // the previous one was released
+      packer.release(m);
+      parts.push_back(bucket);
+    }
+    EXPECT_EQ(packer.live_temporaries(), 0);
+    return at::cat(parts);
+  };
+  std::vector<at::Tensor> before;
+  for (const auto& t : inputs) before.push_back(t.detach().clone());
+  const at::Tensor first = gather();
+  EXPECT_EQ(temporaries_started, 2);  // sources 2 and 4: not contiguous, larger than a bucket
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_TRUE(at::equal(inputs[i], before[i]));
+  EXPECT_TRUE(at::equal(gather(), first));
+  // Rebind: tensor 1 (staged) and tensor 0 (own storage) get new data of the same layout; tensor
+  // 2 (a transpose: staged by kContiguous) gets contiguous data, which it is read through whole.
+  inputs[0].set_data(at::full({40}, 5.0));
+  inputs[1].set_data(at::full({3}, 6.0));
+  inputs[2].set_data(at::full({7, 5}, 7.0));
+  const at::Tensor second = gather();
+  EXPECT_EQ(second.numel(), first.numel());
+  EXPECT_EQ(at::sum(second == 5.0).item<int64_t>(), 40);
+  EXPECT_EQ(at::sum(second == 6.0).item<int64_t>(), 3);
+  EXPECT_EQ(at::sum(second == 7.0).item<int64_t>(), 35);
+}
+
+TEST(Packer, LayoutChangedUnderAPlannedRunIsRefused) {
+  // Tensor 0 planned contiguous and larger than a bucket (kNever: staged in 3 segments); its data
+  // rebound to a strided slice: a segment of it can no longer be found, which must raise, not
+  // scramble values.
+  std::vector<at::Tensor> inputs{at::randn({40})};
+  Packer packer(inputs, at::kFloat, 64, OwnStorage::kNever);
+  ASSERT_EQ(packer.messages().size(), 3u);
+  inputs[0].set_data(at::randn({80}).slice(0, 0, 80, 2));
+  at::Tensor bucket = at::empty({16});
+  EXPECT_THAT([&] { packer.pack(0, bucket); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("changed its memory layout")));
+}
 
 TEST(DeferredCollective, IssuesEachStepAtTheNextSubmitAndTheLastAtOnce) {
   ddpx::comm::DeferredCollective deferred;

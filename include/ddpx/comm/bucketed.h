@@ -1,7 +1,7 @@
 // The bucketed in-place collective engine: one collective applied to many tensors of any
 // layout, device and dtype, through at most two reused staging buckets, with tensors large
-// enough reduced in their own storage. Parameter averaging runs on it (comm/average.h); so will
-// ZeRO's parameter exchange and a C++ DDP's initial broadcast.
+// enough reduced in their own storage. Parameter averaging runs on it (comm/average.h), and so
+// does the C++ DDP's initial broadcast; ZeRO's parameter exchange shares its packer.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -95,10 +95,10 @@ class Broadcast final : public BucketCollective {
 // autograd is not recorded), and blocks until done.
 //
 // Memory is bounded by about two buckets: contiguous tensors of the wire dtype and at least a
-// quarter bucket are exchanged in their own storage (so are non-contiguous but dense ones, e.g.
-// channels_last, in memory order, when every rank lays them out alike: checked with one tiny
-// collective, as DDP checks parameter strides); the others are packed into two reused staging
-// buckets (a tensor larger than a bucket travels in bucket-sized chunks; a non-contiguous,
+// quarter bucket (or 256 KiB, if less) are exchanged in their own storage (so are non-contiguous
+// but dense ones, e.g. channels_last, in memory order, when every rank lays them out alike: checked
+// with one tiny collective, as DDP checks parameter strides); the others are packed into two reused
+// staging buckets (a tensor larger than a bucket travels in bucket-sized chunks; a non-contiguous,
 // non-dense one larger than a bucket goes through a contiguous copy of itself that lives only
 // while its chunks are in flight, one such copy at a time). Tensors stay on their own device,
 // each device with its own buckets, in order of first appearance. At most ~2 buckets of

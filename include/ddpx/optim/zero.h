@@ -12,9 +12,11 @@
 // - ZeroRedundancyOptimizer: the C++ class for libtorch programs, over any torch::optim
 //   optimizer built by a factory for this rank's shard.
 //
-// The exchange is a broadcast from each owner, chunk by chunk (at most bucket_cap_bytes of
-// small parameters packed per chunk; a contiguous parameter of 256 KiB or more, or a bucket-view
-// slice, goes in its own storage without a copy). Chunks go in rounds: round k carries every rank's
+// The exchange is a broadcast from each owner, chunk by chunk: without bucket views, a chunk is
+// a message of the owner's parameters as comm's packer cuts them (the one run_bucketed uses: at
+// most bucket_cap_bytes of small parameters packed per chunk; a contiguous parameter of 256 KiB,
+// or a quarter bucket if less, goes in its own storage without a copy); with them, a slice of the
+// owner's bucket. Chunks go in rounds: round k carries every rank's
 // k-th chunk, and a rank's own chunk k is updated (ChunkUpdate) just before round k starts, so the
 // broadcasts of round k run while chunk k+1 is being updated. At most two rounds of staging
 // memory are alive at once.
@@ -41,6 +43,9 @@ class SGD;
 }  // namespace torch
 
 namespace ddpx {
+namespace comm {
+class Packer;
+}  // namespace comm
 namespace optim {
 
 struct ZeroOptions {
@@ -49,7 +54,7 @@ struct ZeroOptions {
   bool parameters_as_bucket_view = false;
   // Exchange granularity: small parameters are packed into chunks of at most this many bytes;
   // a contiguous parameter of at least 256 KiB (or a quarter of this, if less) travels in its
-  // own storage.
+  // own storage (comm's packer, as in run_bucketed).
   int64_t bucket_cap_bytes = comm::kDefaultBucketBytes;
   // Read by ZeroRedundancyOptimizer only (ZeroShards is given its owners). With kBalanced, each
   // parameter group is partitioned on its own, and parameters_as_bucket_view flattens each group
@@ -129,16 +134,21 @@ class ZeroShards {
  private:
   struct Chunk {
     int64_t owner = 0;
-    std::vector<int64_t> params;  // indices into params_, in packing order
-    int64_t numel = 0;            // elements in all
-    // The chunk's own storage when it has one: a slice of a bucket (bucket views), or -1 with
-    // `own_param` >= 0: that parameter's storage, flattened at exchange time.
+    // Indices into params_ of the parameters updated just before the chunk is sent: those whose
+    // first element it carries.
+    std::vector<int64_t> params;
+    int64_t numel = 0;  // elements in all
+    // Bucket views: the slice of its owner's bucket it is. Otherwise the packer of its owner's
+    // parameters on its device (comm's one packer) and the chunk's message there: a parameter's
+    // own storage or a staging bucket.
     at::Tensor bucket_slice;
-    int64_t own_param = -1;
+    std::shared_ptr<comm::Packer> packer;
+    size_t message = 0;
     c10::Device device = c10::Device(c10::kCPU);
     // Staged chunks: the buffer, kept from one exchange to the next when every staged chunk
     // together is small (keep_staging_), allocated per exchange otherwise.
     at::Tensor staging;
+    bool staged() const;
   };
   struct Round;
 
