@@ -30,7 +30,7 @@ class CMakeBuild(build_ext):
         cfg = [
             "cmake", "-S", ROOT, "-B", build_dir,
             f"-DPython_EXECUTABLE={sys.executable}",
-            "-DDDPX_BUILD_TESTS=OFF", "-DDDPX_BUILD_BENCHMARKS=OFF", "-DDDPX_BUILD_EXAMPLES=OFF",
+            "-DDDPX_BUILD_TESTS=OFF", "-DDDPX_BUILD_BENCHMARKS=OFF", "-DDDPX_BUILD_MAIN_JOB=OFF",
             "-DDDPX_BUILD_PYTHON=ON",
             f"-DDDPX_CUDA={os.environ.get('DDPX_CUDA', 'AUTO')}",
             "-DCMAKE_BUILD_TYPE=Release",

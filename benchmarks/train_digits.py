@@ -1347,7 +1347,7 @@ def parse_args(argv=None, extend: Optional[Callable[[argparse.ArgumentParser], N
                    "keyed '<hook> (<registration>)': the C++ job's --compare file")
     p.add_argument("--export-cpp-data", default="", metavar="FILE",
                    help="write the data set, the initial weights and these settings for the C++ "
-                   "job (examples/cpp/train_digits.cpp) to FILE and exit (no training, no "
+                   "job (benchmarks/cpp/train_digits.cpp) to FILE and exit (no training, no "
                    "process group)")
     if extend is not None:
         extend(p)
@@ -1355,7 +1355,7 @@ def parse_args(argv=None, extend: Optional[Callable[[argparse.ArgumentParser], N
 
 
 def export_cpp_data(args) -> None:
-    """What examples/cpp/train_digits.cpp trains on, in one torch.save file it reads with
+    """What benchmarks/cpp/train_digits.cpp trains on, in one torch.save file it reads with
     torch::jit::pickle_load: the same split and standardisation, the initial weights drawn here
     (torch.manual_seed(seed), make_mlp), and this job's settings, so that both jobs train the
     same thing."""

@@ -4,9 +4,9 @@
 # wheelhouse shared with scripts/test.sh), pip-installs ddpx into the venv as a user would
 # (build tree build-pip/), then trains an MLP on the `digits` data set with 2 DDP processes
 # (torchrun, Gloo on CPU), once per communication hook, and prints the results table. Then the
-# same training as a C++ program: examples/cpp/train_digits.cpp, built with CMake against the
+# same training as a C++ program: benchmarks/cpp/train_digits.cpp, built with CMake against the
 # pip-installed ddpx (find_package(ddpx) through ddpx.cmake_prefix_path, build tree
-# build-example/), launched by torchrun --no-python on the data and initial weights the Python job
+# build-cpp-job/), launched by torchrun --no-python on the data and initial weights the Python job
 # exports, each row checked bit for bit against the Python row it repeats. Last, the model-parallel
 # job (benchmarks/train_digits_rpc.py, 3 RPC workers): the same training with the MLP split over two
 # owners and stepped by ddpx's and torch's DistributedOptimizer. Outputs: out/results.md,
@@ -47,9 +47,9 @@ run_job() {
 # The C++ job: built against the installed package as a C++ user builds it, on the Python job's
 # exported data and settings (the same extra arguments), compared with its final weights.
 run_cpp_job() {
-  local prefix build="build-example$_ddpx_line" no_python=--no-python
+  local prefix build="build-cpp-job$_ddpx_line" no_python=--no-python
   prefix=$(env -u PYTHONPATH "$DDPX_PY" -c "import ddpx; print(ddpx.cmake_prefix_path)")
-  cmake -S examples/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  cmake -S benchmarks/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$prefix" > "$OUT_DIR/cpp_build.log"
   cmake --build "$build" --target train_digits -j "$(nproc)" >> "$OUT_DIR/cpp_build.log"
   env -u PYTHONPATH "$DDPX_PY" benchmarks/train_digits.py --export-cpp-data \

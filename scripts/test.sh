@@ -39,9 +39,9 @@ multinode_default=0
 multinode=0
 if [ -z "${DDPX_PYTEST_PATHS:-}" ] && [ "${DDPX_MULTINODE:-$multinode_default}" = 1 ]; then
   multinode=1
-  # The C++ job of the multi-node tests: the example built in the CMake tree above.
+  # The C++ job of the multi-node tests: the main job's C++ program, built in the CMake tree above.
   if [ "${DDPX_TEST_CPP:-1}" != 0 ]; then
-    export DDPX_CPP_TRAIN_DIGITS="$PWD/$DDPX_BUILD/examples/cpp/train_digits"
+    export DDPX_CPP_TRAIN_DIGITS="$PWD/$DDPX_BUILD/benchmarks/cpp/train_digits"
   fi
 fi
 # pytest runs from the repository root, whose python/ddpx is not importable as ddpx: the tests

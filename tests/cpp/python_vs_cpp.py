@@ -3,7 +3,7 @@
 with bit-identical weights, for DDP's default allreduce, torch's built-in C++ hooks and every
 ddpx hook and optimizer the C++ job runs.
 
-Both jobs are the main jobs (benchmarks/train_digits.py and examples/cpp/train_digits.cpp), each
+Both jobs are the main jobs (benchmarks/train_digits.py and benchmarks/cpp/train_digits.cpp), each
 launched by torchrun on 2 Gloo processes, on a smaller MLP for 2 epochs (PowerSGD and post-local
 SGD both reach their compressed / local phases): the Python job saves every row's final weights
 (rank 0), the C++ job trains on the data and initial weights the Python job exported and, with
@@ -11,7 +11,7 @@ SGD both reach their compressed / local phases): the Python job saves every row'
 bit. The two jobs share the Reducer, the hooks and the optimizer maths, so any difference is a bug
 in the C++ DDP (bucket order, the per-iteration set-up, a hook's state), not rounding.
 
-    python tests/cpp/python_vs_cpp.py --cpp build/examples/cpp/train_digits --work build/pvc
+    python tests/cpp/python_vs_cpp.py --cpp build/benchmarks/cpp/train_digits --work build/pvc
 (with the ddpx under test importable, e.g. PYTHONPATH=build/python)
 """
 import argparse
@@ -47,7 +47,7 @@ def run(cmd, log):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--cpp", required=True, help="the built examples/cpp/train_digits")
+    p.add_argument("--cpp", required=True, help="the built benchmarks/cpp/train_digits")
     p.add_argument("--work", required=True, help="a folder for the files and logs")
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)

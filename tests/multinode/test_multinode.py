@@ -124,7 +124,7 @@ def test_cpp_job_across_two_machines(tmp_path):
     """The C++ program, launched by torchrun --no-python on two machines, ends bit-identical
     with the Python job's rows on one machine (the main job's C++ check, across machines)."""
     binary = os.environ.get("DDPX_CPP_TRAIN_DIGITS", os.path.join(
-        REPO, "build", "examples", "cpp", "train_digits"))
+        REPO, "build", "benchmarks", "cpp", "train_digits"))
     if not os.path.exists(binary):
         pytest.skip(f"no C++ train_digits at {binary} (scripts/test.sh builds it with ctest's "
                     "tree and sets DDPX_CPP_TRAIN_DIGITS)")

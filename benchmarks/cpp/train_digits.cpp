@@ -5,7 +5,7 @@
 // ZeroRedundancyOptimizer), launched by torchrun like any job:
 //
 //   python benchmarks/train_digits.py --export-cpp-data out/digits_cpp.pt     # once, no download
-//   torchrun --standalone --nproc_per_node=2 --no-python build/examples/cpp/train_digits \
+//   torchrun --standalone --nproc_per_node=2 --no-python build/benchmarks/cpp/train_digits \
 //       --data out/digits_cpp.pt --out out/ [--compare out/final_weights.pt]
 //
 // The data file holds the training and test sets, the initial weights and the Python job's
