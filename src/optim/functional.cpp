@@ -570,9 +570,9 @@ void FunctionalRMSprop::load_state(const std::vector<ParamState>& state) {
 // ---- the elementwise optimizers ---------------------------------------------------------------
 
 template <typename Traits>
-void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                      std::vector<std::vector<at::Tensor>>& states, std::vector<int64_t>& steps,
-                      const typename Traits::Options& opts) {
+void elementwise_check(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<std::vector<at::Tensor>>& states,
+                       const std::vector<int64_t>& steps, const typename Traits::Options& opts) {
   const std::string op = std::string("ddpx::optim::") + Traits::kKind + "_step";
   const char* kOp = op.c_str();
   constexpr int K = Traits::kStates;
@@ -597,6 +597,16 @@ void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<a
       if (defined == K) check_like(params[i], states[k][i], kOp, Traits::kStateNames[k], i);
     }
   }
+}
+
+template <typename Traits>
+void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      std::vector<std::vector<at::Tensor>>& states, std::vector<int64_t>& steps,
+                      const typename Traits::Options& opts) {
+  // Everything is checked before anything is written.
+  elementwise_check<Traits>(params, grads, states, steps, opts);
+  constexpr int K = Traits::kStates;
+  const size_t n = params.size();
   std::vector<at::Tensor> tensor_states(K);
   for (size_t i = 0; i < n; ++i) {
     for (int k = 0; k < K; ++k) {
@@ -666,13 +676,17 @@ void FunctionalElementwise<Traits>::load_state(const std::vector<ParamState>& st
   steps_ = std::move(steps);
 }
 
-#define DDPX_INSTANTIATE(Name)                                        \
-  template void validate_elementwise<elementwise::Name::Options>(     \
-      const elementwise::Name::Options&);                             \
-  template void elementwise_step<elementwise::Name>(                  \
-      const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, \
-      std::vector<std::vector<at::Tensor>>&, std::vector<int64_t>&,   \
-      const elementwise::Name::Options&);                             \
+#define DDPX_INSTANTIATE(Name)                                                  \
+  template void validate_elementwise<elementwise::Name::Options>(               \
+      const elementwise::Name::Options&);                                       \
+  template void elementwise_step<elementwise::Name>(                            \
+      const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,           \
+      std::vector<std::vector<at::Tensor>>&, std::vector<int64_t>&,             \
+      const elementwise::Name::Options&);                                       \
+  template void elementwise_check<elementwise::Name>(                           \
+      const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,           \
+      const std::vector<std::vector<at::Tensor>>&, const std::vector<int64_t>&, \
+      const elementwise::Name::Options&);                                       \
   template class FunctionalElementwise<elementwise::Name>;
 DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_INSTANTIATE)
 #undef DDPX_INSTANTIATE

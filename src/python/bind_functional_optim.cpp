@@ -247,27 +247,35 @@ void bind_elementwise(py::module& m) {
   py::object options_class = m.attr(Traits::kOptionsName);
   options_class.attr("state_names") = state_tuple;
   options_class.attr("step_function") = py::str(std::string(Traits::kKind) + "_step");
+  // The step's arguments from Python: params, grads, the state lists in kStateNames' order.
+  struct Args {
+    std::vector<at::Tensor> params, grads;
+    std::vector<std::vector<at::Tensor>> states;
+    O options;
+  };
+  auto args_of = [](const py::object& params, const py::object& grads, const py::dict& state,
+                    const py::kwargs& kwargs) {
+    Args a{tensor_list(params, "params"), tensor_list(grads, "grads"), {}, options_arg<O>(kwargs)};
+    for (const char* s : Traits::kStateNames) {
+      if (!state.contains(s)) throw py::value_error(std::string("state needs \"") + s + "\"");
+      a.states.push_back(tensor_list(state[s], s));
+    }
+    if (state.size() != static_cast<size_t>(Traits::kStates)) {
+      throw py::value_error(std::string("state holds other keys than ") + Traits::kName + "'s");
+    }
+    return a;
+  };
   m.def(
       (std::string(Traits::kKind) + "_step").c_str(),
-      [](const py::object& params, const py::object& grads, const py::dict& state,
-         std::vector<int64_t> steps, const py::kwargs& kwargs) {
-        const auto p = tensor_list(params, "params");
-        const auto g = tensor_list(grads, "grads");
-        std::vector<std::vector<at::Tensor>> states;
-        for (const char* s : Traits::kStateNames) {
-          if (!state.contains(s)) throw py::value_error(std::string("state needs \"") + s + "\"");
-          states.push_back(tensor_list(state[s], s));
-        }
-        if (state.size() != static_cast<size_t>(Traits::kStates)) {
-          throw py::value_error(std::string("state holds other keys than ") + Traits::kName + "'s");
-        }
-        const auto opts = options_arg<O>(kwargs);
+      [args_of](const py::object& params, const py::object& grads, const py::dict& state,
+                std::vector<int64_t> steps, const py::kwargs& kwargs) {
+        Args a = args_of(params, grads, state, kwargs);
         {
           py::gil_scoped_release no_gil;
-          optim::elementwise_step<Traits>(p, g, states, steps, opts);
+          optim::elementwise_step<Traits>(a.params, a.grads, a.states, steps, a.options);
         }
         py::dict out;
-        for (int k = 0; k < Traits::kStates; ++k) out[Traits::kStateNames[k]] = to_py(states[k]);
+        for (int k = 0; k < Traits::kStates; ++k) out[Traits::kStateNames[k]] = to_py(a.states[k]);
         return py::make_tuple(out, steps);
       },
       py::arg("params"), py::arg("grads"), py::arg("state"), py::arg("steps"),
@@ -277,6 +285,23 @@ void bind_elementwise(py::module& m) {
        "}, each a list with one entry per parameter, None before its first step; "
        "steps: per-parameter step counts. Returns (state, steps) after the step.")
           .c_str());
+  m.def((std::string(Traits::kKind) + "_step_refusal").c_str(),
+        [args_of](const py::object& params, const py::object& grads, const py::dict& state,
+                  const std::vector<int64_t>& steps, const py::kwargs& kwargs) -> py::object {
+          Args a = args_of(params, grads, state, kwargs);
+          try {
+            optim::elementwise_check<Traits>(a.params, a.grads, a.states, steps, a.options);
+          } catch (const c10::Error& e) {
+            return py::str(e.what_without_backtrace());
+          }
+          return py::none();
+        },
+        py::arg("params"), py::arg("grads"), py::arg("state"), py::arg("steps"),
+        (std::string(Traits::kKind) +
+         "_step_refusal(params, grads, state, steps, ...): " + Traits::kKind +
+         "_step's checks alone, on the same arguments: None where it would step, else the "
+         "message it would raise (nothing is changed)")
+            .c_str());
   py::class_<F> cls(m, ("Functional" + name).c_str(),
                     ("Functional" + name + "(params, **" + Traits::kOptionsName +
                      " fields or options=" + Traits::kOptionsName + "): " + name +

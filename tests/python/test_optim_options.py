@@ -290,3 +290,65 @@ def test_fused_zero_step_takes_the_structs():
             assert took == fused, (cls.__name__, kwargs, took)
             assert err <= 1e-6, (cls.__name__, kwargs, err)
             assert state_err <= 1e-6, (cls.__name__, kwargs, state_err)
+
+
+def test_elementwise_step_refusal_is_the_steps_own_checks():
+    """``<kind>_step_refusal`` answers with the message ``<kind>_step`` would raise, and changes
+    nothing; ZeRO asks it before stepping any group."""
+    p, g = torch.ones(4), torch.full((4,), 0.5)
+    state = {"exp_avg": [torch.zeros(4)], "exp_inf": [torch.zeros(4)]}
+    assert C.adamax_step_refusal([p], [g], state, [1], options=C.AdamaxOptions()) is None
+    cases = [
+        (([p.half()], [g.half()], state, [1]), "only float32 and float64"),
+        (([torch.ones(4, 2).t()], [torch.ones(2, 4)], {k: [torch.zeros(2, 4)] for k in state},
+          [1]), "must be contiguous"),
+        (([p], [g], {"exp_avg": [torch.zeros(3)], "exp_inf": [torch.zeros(4)]}, [1]),
+         "has shape"),
+        (([p], [g.double()], state, [1]), "has dtype"),
+        (([p], [g], {"exp_avg": [torch.zeros(4)], "exp_inf": [None]}, [1]), "part of its state"),
+        (([p], [g], {"exp_avg": [None], "exp_inf": [None]}, [2]), "but no state"),
+        (([p], [g.to_sparse()], state, [1]), "must be dense"),
+    ]
+    for args, message in cases:
+        before = [t.clone() for t in args[2]["exp_avg"] if t is not None]
+        got = C.adamax_step_refusal(*args, options=C.AdamaxOptions())
+        assert got is not None and message in got, (message, got)
+        with pytest.raises((RuntimeError, ValueError), match=message):
+            C.adamax_step(*args, options=C.AdamaxOptions())
+        after = [t for t in args[2]["exp_avg"] if t is not None]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert torch.equal(p, torch.ones(4))
+
+
+def _refused_rank(rank, world_size):
+    from ddpx.optim import ZeroRedundancyOptimizer
+    torch.manual_seed(0)
+    ref, model = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):  # a transposed weight: torch's state follows its layout
+        m.weight.data = m.weight.data.t().contiguous().t()
+    plain = torch.optim.Adamax(ref.parameters(), lr=1e-2)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adamax,
+                                   lr=1e-2)
+    took = []
+    fused = zero._fused_step
+    zero._fused_step = lambda *a, **k: took.append(fused(*a, **k)) or took[-1]
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, plain), (model, zero)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    err = max(((a - b).abs().max() / b.abs().max()).item()
+              for a, b in zip(model.parameters(), ref.parameters()))
+    return took, err
+
+
+def test_elementwise_zero_step_falls_back_where_the_kernels_refuse():
+    """A non-contiguous parameter (and so torch's state of it): ZeRO's elementwise step is
+    refused on the rank that owns it, torch's own step runs there, and the result is torch's."""
+    from dist_utils import run_ranks
+    results = run_ranks(_refused_rank, 2)
+    assert any(took == [False] * 3 for took, _ in results), results
+    for took, err in results:
+        assert err <= 1e-6, (took, err)

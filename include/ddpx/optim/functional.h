@@ -174,6 +174,14 @@ void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<a
                       std::vector<std::vector<at::Tensor>>& states, std::vector<int64_t>& steps,
                       const typename Traits::Options& opts);
 
+// elementwise_step's checks alone: raises what it would raise for these arguments (c10 errors
+// with its messages), and changes nothing. ZeRO asks it for every parameter group before stepping
+// any, so that a group the kernels cannot take sends the whole step to torch's optimizer.
+template <typename Traits>
+void elementwise_check(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<std::vector<at::Tensor>>& states,
+                       const std::vector<int64_t>& steps, const typename Traits::Options& opts);
+
 // One parameter's state in torch.optim's state_dict layout: "momentum_buffer" (SGD), or
 // "step" (a 0-dim float32 tensor, as torch stores it) with "exp_avg", "exp_avg_sq" and, with
 // amsgrad, "max_exp_avg_sq" (Adam, AdamW); with "sum" (Adagrad); with "square_avg",

@@ -557,36 +557,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """ddpx's step of an elementwise optimizer (its traits: the options' ``state_names`` and
         ``step_function``) on torch's state, in place, then the exchange. Torch's own step runs
         while any parameter has no state yet, so that the state is made as that torch version
-        makes it (its ``step``'s type included, which is kept)."""
+        makes it (its ``step``'s type included, which is kept), and where the C++ step would
+        refuse any group's tensors (``<kind>_step_refusal``: dtype, device, layout, shapes),
+        asked for every group before any is stepped."""
         optim = self.optim
         names = type(options[0]).state_names
+        step = getattr(_C, type(options[0]).step_function)
+        refusal = getattr(_C, type(options[0]).step_function + "_refusal")
         work = []
         for group, o in zip(optim.param_groups, options):
             params = [p for p in group["params"] if p.grad is not None]
             states = [optim.state[p] for p in params]
-            for p, st in zip(params, states):
-                g = p.grad
-                if (len(st) == 0 or "step" not in st or g.is_sparse
-                        or p.dtype not in (torch.float32, torch.float64) or g.dtype != p.dtype
-                        or g.device != p.device or not p.is_contiguous()
-                        or not g.is_contiguous()):
-                    return False
-                for k in names:
-                    t = st.get(k)
-                    if (not isinstance(t, torch.Tensor) or t.dtype != p.dtype
-                            or t.device != p.device or t.shape != p.shape
-                            or not t.is_contiguous()):
-                        return False
-            work.append((params, states, o))
-        step = getattr(_C, type(options[0]).step_function)
-        for params, states, o in work:
             if not params:
                 continue
+            if any("step" not in st or not all(isinstance(st.get(k), torch.Tensor)
+                                               for k in names) for st in states):
+                return False
+            args = (params, [p.grad for p in params],
+                    {k: [st[k] for st in states] for k in names},
+                    [int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+                     for v in (st["step"] for st in states)])
+            if refusal(*args, options=o) is not None:
+                return False
+            work.append((states, args, o))
+        for states, args, o in work:
             old = [st["step"] for st in states]
-            counts = [int(v.item()) if isinstance(v, torch.Tensor) else int(v) for v in old]
             # The state tensors (all present: checked above) are updated in place.
-            _, counts = step(params, [p.grad for p in params],
-                             {k: [st[k] for st in states] for k in names}, counts, options=o)
+            _, counts = step(*args, options=o)
             for st, v, n in zip(states, old, counts):
                 if isinstance(v, torch.Tensor):
                     v.fill_(n)
