@@ -242,6 +242,24 @@ if _ADAM_HAS_DECOUPLING:
                                                decoupled_weight_decay=True), [True] * 3))
 
 
+def _train_alike(ref, plain, model, zero, steps=3):
+    """``steps`` steps of the unsharded (ref, plain) and ZeRO (model, zero) pairs on the same
+    batches. Returns what ZeRO's ``_fused_step`` returned at each step and the largest relative
+    difference of the parameters."""
+    took = []
+    fused = zero._fused_step
+    zero._fused_step = lambda *a, **k: took.append(fused(*a, **k)) or took[-1]
+    for step in range(steps):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, plain), (model, zero)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    err = max(((a - b).abs().max() / b.abs().max()).item()
+              for a, b in zip(model.parameters(), ref.parameters()))
+    return took, err
+
+
 def _fused_rank(rank, world_size):
     from ddpx.optim import ZeroRedundancyOptimizer
     out = []
@@ -252,17 +270,7 @@ def _fused_rank(rank, world_size):
         model.load_state_dict(ref.state_dict())
         plain = cls(ref.parameters(), **kwargs)
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
-        took = []
-        fused = zero._fused_step
-        zero._fused_step = lambda *a, **k: took.append(fused(*a, **k)) or took[-1]
-        for step in range(3):
-            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
-            for m, o in ((ref, plain), (model, zero)):
-                o.zero_grad()
-                m(x).square().sum().backward()
-                o.step()
-        err = max(((a - b).abs().max() / b.abs().max()).item()
-                  for a, b in zip(model.parameters(), ref.parameters()))
+        took, err = _train_alike(ref, plain, model, zero)
         # This rank's state as the unsharded optimizer's, key for key (the step's type too).
         state_err = 0.0
         index = {p: i for i, p in enumerate(model.parameters())}
@@ -330,18 +338,7 @@ def _refused_rank(rank, world_size):
     plain = torch.optim.Adamax(ref.parameters(), lr=1e-2)
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adamax,
                                    lr=1e-2)
-    took = []
-    fused = zero._fused_step
-    zero._fused_step = lambda *a, **k: took.append(fused(*a, **k)) or took[-1]
-    for step in range(3):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
-        for m, o in ((ref, plain), (model, zero)):
-            o.zero_grad()
-            m(x).square().sum().backward()
-            o.step()
-    err = max(((a - b).abs().max() / b.abs().max()).item()
-              for a, b in zip(model.parameters(), ref.parameters()))
-    return took, err
+    return _train_alike(ref, plain, model, zero)
 
 
 def test_elementwise_zero_step_falls_back_where_the_kernels_refuse():
