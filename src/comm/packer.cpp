@@ -21,7 +21,7 @@ int64_t own_storage_min_bytes(int64_t cap_bytes) {
 
 Packer::Packer(std::vector<at::Tensor> tensors, at::ScalarType dtype, int64_t cap_bytes,
                OwnStorage own)
-    : sources_tensors_(std::move(tensors)), dtype_(dtype) {
+    : sources_tensors_(std::move(tensors)) {
   TORCH_CHECK_VALUE(cap_bytes > 0, "Packer: cap_bytes must be positive, got ", cap_bytes);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t cap_elems = std::max<int64_t>(1, cap_bytes / elem);
@@ -155,52 +155,44 @@ char* bytes_at(const at::Tensor& t, int64_t element) {
 
 }  // namespace
 
-void Packer::pack(size_t m, const at::Tensor& bucket) {
+void Packer::pack(size_t m, const at::Tensor& bucket) { transfer(m, bucket, /*into_bucket=*/true); }
+
+void Packer::unpack(size_t m, const at::Tensor& bucket) {
+  transfer(m, bucket, /*into_bucket=*/false);
+}
+
+// Copies each segment of message m between its tensor and `bucket`, in the given direction.
+void Packer::transfer(size_t m, const at::Tensor& bucket, bool into_bucket) {
+  // `dst.copy_(src)` one way, `src.copy_(dst)` the other.
+  auto copy = [into_bucket](const at::Tensor& in_bucket, const at::Tensor& own) {
+    if (into_bucket) {
+      in_bucket.copy_(own);
+    } else {
+      own.copy_(in_bucket);
+    }
+  };
   for (const PackSegment& seg : messages_[m].segments) {
     const at::Tensor& t = sources_tensors_[seg.source];
     Source& src = sources_[seg.source];
+    const at::Tensor slot = bucket.narrow(0, seg.dst_offset, seg.len);
     if (src.access == Access::kTemporary) {
       take_temporary(seg.source);
-      bucket.narrow(0, seg.dst_offset, seg.len)
-          .copy_(src.temporary.narrow(0, seg.src_offset, seg.len));
+      copy(slot, src.temporary.narrow(0, seg.src_offset, seg.len));
+      if (!into_bucket) done_with(seg, /*write_back=*/true);
     } else if (src.access == Access::kFlat && flat_now(seg.source)) {
       if (same_bytes_on_cpu(t, bucket)) {
-        std::memcpy(bytes_at(bucket, seg.dst_offset), bytes_at(t, seg.src_offset),
+        char* in_bucket = bytes_at(bucket, seg.dst_offset);
+        char* own = bytes_at(t, seg.src_offset);
+        std::memcpy(into_bucket ? in_bucket : own, into_bucket ? own : in_bucket,
                     static_cast<size_t>(seg.len) * t.element_size());
       } else {
-        bucket.narrow(0, seg.dst_offset, seg.len)
-            .copy_(flat(seg.source).narrow(0, seg.src_offset, seg.len));
+        copy(slot, flat(seg.source).narrow(0, seg.src_offset, seg.len));
       }
     } else {
       // kWhole, or a kFlat tensor whose data were rebound to another layout since (then only a
       // whole-tensor segment can be found in it).
       check_whole(seg);
-      bucket.narrow(0, seg.dst_offset, seg.len).view(t.sizes()).copy_(t);
-    }
-  }
-}
-
-void Packer::unpack(size_t m, const at::Tensor& bucket) {
-  for (const PackSegment& seg : messages_[m].segments) {
-    const at::Tensor& t = sources_tensors_[seg.source];
-    Source& src = sources_[seg.source];
-    if (src.access == Access::kTemporary) {
-      take_temporary(seg.source);
-      src.temporary.narrow(0, seg.src_offset, seg.len)
-          .copy_(bucket.narrow(0, seg.dst_offset, seg.len));
-      done_with(seg, /*write_back=*/true);
-    } else if (src.access == Access::kFlat && flat_now(seg.source)) {
-      if (same_bytes_on_cpu(t, bucket)) {
-        std::memcpy(bytes_at(t, seg.src_offset), bytes_at(bucket, seg.dst_offset),
-                    static_cast<size_t>(seg.len) * t.element_size());
-      } else {
-        flat(seg.source)
-            .narrow(0, seg.src_offset, seg.len)
-            .copy_(bucket.narrow(0, seg.dst_offset, seg.len));
-      }
-    } else {
-      check_whole(seg);
-      t.copy_(bucket.narrow(0, seg.dst_offset, seg.len).view(t.sizes()));
+      copy(slot.view(t.sizes()), t);
     }
   }
 }

@@ -57,7 +57,6 @@ class Packer {
   Packer(std::vector<at::Tensor> tensors, at::ScalarType dtype, int64_t cap_bytes, OwnStorage own);
 
   const std::vector<at::Tensor>& tensors() const { return sources_tensors_; }
-  at::ScalarType dtype() const { return dtype_; }
   const std::vector<PackMessage>& messages() const { return messages_; }
   // Elements of the largest staging bucket (0: none).
   int64_t max_staged() const { return max_staged_; }
@@ -70,7 +69,8 @@ class Packer {
   // Message m's own-storage tensor as a 1-D view (memory order). Raises if that tensor is no
   // longer laid out as when planned.
   at::Tensor own_values(size_t m) const;
-  // Copies message m's segments into `bucket` (1-D, contiguous, dtype(), at least numel), cast.
+  // Copies message m's segments into `bucket` (1-D, contiguous, of the dtype given at construction,
+  // at least numel), cast.
   void pack(size_t m, const at::Tensor& bucket);
   // Copies `bucket`'s values of message m back into the tensors, cast back to their dtypes.
   void unpack(size_t m, const at::Tensor& bucket);
@@ -104,6 +104,7 @@ class Packer {
   bool flat_now(size_t source) const;
   at::Tensor flat(size_t source) const;
   void check_whole(const PackSegment& seg) const;
+  void transfer(size_t m, const at::Tensor& bucket, bool into_bucket);
   void take_temporary(size_t source);
   void done_with(const PackSegment& seg, bool write_back);
 
@@ -111,7 +112,6 @@ class Packer {
   std::vector<Source> sources_;
   std::vector<PackMessage> messages_;
   std::vector<std::vector<size_t>> starting_;
-  at::ScalarType dtype_;
   int64_t max_staged_ = 0;
   int live_temporaries_ = 0;
 };
