@@ -47,15 +47,14 @@ c10::intrusive_ptr<c10d::Work> all_to_all_single(PG& pg, at::Tensor& output, at:
 // Whether Gloo reduces bfloat16 (allreduce in the values' own dtype): not in torch 1.13.
 constexpr bool kGlooReducesBf16 = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
 
+// torch's major * 100 + minor (211 for 2.11): the elementwise optimizers' traits pick torch.optim's
+// formulas of that release (ddpx/optim/elementwise/all.h).
+constexpr int kTorchVersion = TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR;
+
 // torch.optim.Adam/AdamW's single-tensor step (optim/functional.h follows it): 2.x updates
 // exp_avg with lerp_(grad, 1 - beta1) and takes sqrt(1 - beta2**step) as `** 0.5` (pow); 1.13
 // uses mul_(beta1).add_(grad, alpha=1 - beta1) and math.sqrt.
 constexpr bool kAdamLerpsExpAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 0);
-
-// torch.optim.RMSprop's single-tensor step with centered=True (optim/functional.h follows it):
-// 2.1+ updates grad_avg with lerp_(grad, 1 - alpha) (pytorch#104796); 1.13 and 2.0 use
-// mul_(alpha).add_(grad, alpha=1 - alpha).
-constexpr bool kRMSpropLerpsGradAvg = DDPX_TORCH_VERSION_AT_LEAST(2, 1);
 
 // ---- DDP's Reducer ---------------------------------------------------------------------------
 

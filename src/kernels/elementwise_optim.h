@@ -14,7 +14,8 @@ namespace ddpx {
 namespace kernels {
 
 // One tensor of an update: n contiguous elements each of param, grad and the traits' states, in
-// the order of Traits::kStateNames. param and states are updated in place.
+// the order of Traits::kStateNames; a state the options do not keep (elementwise::keeps_state) is
+// null, and the element update sees it as zero. param and states are updated in place.
 template <typename Traits, typename T>
 struct ElementwiseTensor {
   T* param = nullptr;

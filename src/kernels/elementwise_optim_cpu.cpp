@@ -15,10 +15,12 @@ namespace ddpx {
 namespace kernels {
 namespace {
 
-template <typename Traits, typename T>
-DDPX_OPTIM_INLINE void loop(const ElementwiseTensor<Traits, T>& t,
-                            const ElementwiseCoeffs<Traits, T>& coeffs, int64_t begin,
-                            int64_t end) {
+// The loop over [begin, end) for the states in the bit mask Kept (the others: zero in, not
+// stored).
+template <typename Traits, unsigned Kept, typename T>
+DDPX_OPTIM_INLINE void loop_kept(const ElementwiseTensor<Traits, T>& t,
+                                 const ElementwiseCoeffs<Traits, T>& coeffs, int64_t begin,
+                                 int64_t end) {
   constexpr int K = Traits::kStates;
   const ElementwiseCoeffs<Traits, T> c = coeffs;  // a local copy: stores cannot alias it
   T* __restrict p = t.param;
@@ -34,11 +36,37 @@ DDPX_OPTIM_INLINE void loop(const ElementwiseTensor<Traits, T>& t,
   for (int64_t i = begin; i < end; ++i) {
     T pi = p[i];
     T s[K];
-    for (int k = 0; k < K; ++k) s[k] = st[k][i];
+    for (int k = 0; k < K; ++k) s[k] = (Kept >> k) & 1u ? st[k][i] : T(0);
     Traits::element(pi, g[i], s, c);
     p[i] = pi;
-    for (int k = 0; k < K; ++k) st[k][i] = s[k];
+    for (int k = 0; k < K; ++k) {
+      if ((Kept >> k) & 1u) st[k][i] = s[k];
+    }
   }
+}
+
+// Runs loop_kept for the mask `kept` (the states whose pointer is set), trying every mask from
+// Kept up: only the masks that hold every state the traits always keep are built.
+template <typename Traits, unsigned Kept, typename T>
+DDPX_OPTIM_INLINE void loop_from(unsigned kept, const ElementwiseTensor<Traits, T>& t,
+                                 const ElementwiseCoeffs<Traits, T>& c, int64_t begin,
+                                 int64_t end) {
+  constexpr unsigned kAll = (1u << Traits::kStates) - 1;
+  constexpr unsigned kAlways = kAll & ~optim::elementwise::OptionalStates<Traits>::value;
+  if constexpr (Kept <= kAll) {
+    if constexpr ((Kept & kAlways) == kAlways) {
+      if (kept == Kept) return loop_kept<Traits, Kept>(t, c, begin, end);
+    }
+    loop_from<Traits, Kept + 1>(kept, t, c, begin, end);
+  }
+}
+
+template <typename Traits, typename T>
+DDPX_OPTIM_INLINE void loop(const ElementwiseTensor<Traits, T>& t,
+                            const ElementwiseCoeffs<Traits, T>& c, int64_t begin, int64_t end) {
+  unsigned kept = 0;
+  for (int k = 0; k < Traits::kStates; ++k) kept |= t.state[k] != nullptr ? 1u << k : 0u;
+  loop_from<Traits, 0>(kept, t, c, begin, end);
 }
 
 template <typename Traits, typename T>
@@ -69,6 +97,13 @@ bool has_avx2_fma() {
 template <typename Traits, typename T>
 void elementwise_cpu(const ElementwiseTensor<Traits, T>& t, const ElementwiseCoeffs<Traits, T>& c,
                      int64_t begin, int64_t end) {
+  constexpr unsigned kOptional = optim::elementwise::OptionalStates<Traits>::value;
+  for (int k = 0; k < Traits::kStates; ++k) {
+    if (t.state[k] == nullptr && !((kOptional >> k) & 1u)) {
+      throw std::invalid_argument(std::string("ddpx ") + Traits::kKind + ": state " +
+                                  Traits::kStateNames[k] + " is missing");
+    }
+  }
   if (begin < 0 || begin > end || end > t.n) {
     throw std::invalid_argument(std::string("ddpx ") + Traits::kKind + ": range [" +
                                 std::to_string(begin) + ", " + std::to_string(end) +

@@ -23,10 +23,14 @@ __global__ void elementwise_kernel(ElementwiseTensor<Traits, T> t, ElementwiseCo
        i += stride) {
     T p = t.param[i];
     T s[K];
-    for (int k = 0; k < K; ++k) s[k] = t.state[k][i];
+    // A state not kept has a null pointer: zero in, not stored (a branch the whole grid takes
+    // alike).
+    for (int k = 0; k < K; ++k) s[k] = t.state[k] != nullptr ? t.state[k][i] : T(0);
     Traits::element(p, t.grad[i], s, c);
     t.param[i] = p;
-    for (int k = 0; k < K; ++k) t.state[k][i] = s[k];
+    for (int k = 0; k < K; ++k) {
+      if (t.state[k] != nullptr) t.state[k][i] = s[k];
+    }
   }
 }
 

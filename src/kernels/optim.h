@@ -1,4 +1,5 @@
-// Torch-free kernels of the functional optimizers (SGD, Adam, AdamW, Adagrad, RMSprop): one
+// Torch-free kernels of the functional optimizers SGD, Adam and AdamW (the elementwise
+// optimizers' are elementwise_optim.h): one
 // tensor's fused update over raw pointers, elements [begin, end), on the calling thread. The
 // ATen layer (ops/optim.h) splits a tensor across threads and picks the CPU or CUDA variant
 // (optim_cuda.h) by device.
@@ -66,59 +67,10 @@ struct AdamTensor {
   int64_t n = 0;
 };
 
-// Hyper-parameters of one Adagrad update of one tensor (dense gradients), with the learning rate
-// of its step already decayed in double as torch's Python code computes it.
-struct AdagradScalars {
-  double clr = 0;           // lr / (1 + (step - 1) * lr_decay)
-  double weight_decay = 0;  // L2 penalty added to the gradient
-  double eps = 0;
-  bool maximize = false;
-};
-
-// One tensor of an Adagrad update: n contiguous elements each, one dtype. `sum` (torch's
-// state["sum"]) and `param` are updated in place.
-struct AdagradTensor {
-  void* param = nullptr;
-  const void* grad = nullptr;
-  void* sum = nullptr;
-  int64_t n = 0;
-};
-
-// Which torch's RMSprop the update reproduces: the centered grad_avg update differs (see
-// optim_inl.h).
-enum class RMSpropFormula : int { kTorch1 = 1, kTorch2 = 2 };
-
-// Hyper-parameters of one RMSprop update, as torch's Python code holds them.
-struct RMSpropScalars {
-  double lr = 0;
-  double alpha = 0;
-  double eps = 0;
-  double weight_decay = 0;  // L2 penalty added to the gradient
-  double momentum = 0;      // 0: no momentum buffer is read or written
-  bool centered = false;    // keep grad_avg and divide by sqrt(square_avg - grad_avg^2)
-  bool maximize = false;
-  RMSpropFormula formula = RMSpropFormula::kTorch2;
-};
-
-// One tensor of an RMSprop update: n contiguous elements each, one dtype. `grad_avg` is read and
-// written only when centered, `momentum_buffer` only with momentum (may be null otherwise).
-struct RMSpropTensor {
-  void* param = nullptr;
-  const void* grad = nullptr;
-  void* square_avg = nullptr;
-  void* grad_avg = nullptr;
-  void* momentum_buffer = nullptr;
-  int64_t n = 0;
-};
-
 // Updates elements [begin, end) of `t` (0 <= begin <= end <= t.n). float32 and float64 only
 // (std::invalid_argument otherwise). Disjoint ranges may run concurrently on several threads.
 void sgd_cpu(const SgdTensor& t, DType dtype, const SgdScalars& s, int64_t begin, int64_t end);
 void adam_cpu(const AdamTensor& t, DType dtype, const AdamScalars& s, int64_t begin, int64_t end);
-void adagrad_cpu(const AdagradTensor& t, DType dtype, const AdagradScalars& s, int64_t begin,
-                 int64_t end);
-void rmsprop_cpu(const RMSpropTensor& t, DType dtype, const RMSpropScalars& s, int64_t begin,
-                 int64_t end);
 
 // True when the CPU kernels run their AVX2/FMA build on this machine (else a portable build
 // with the same results: fma is fma either way, only slower).

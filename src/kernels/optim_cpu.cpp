@@ -81,58 +81,6 @@ DDPX_OPTIM_INLINE void adam_loop(T* __restrict p, const T* __restrict g, T* __re
 }
 
 template <typename T>
-DDPX_OPTIM_INLINE void adagrad_loop(T* __restrict p, const T* __restrict g, T* __restrict sum,
-                                    const detail::AdagradCoeffs<T>& coeffs, int64_t begin,
-                                    int64_t end) {
-  const detail::AdagradCoeffs<T> c = coeffs;  // a local copy: stores through p cannot alias it
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) {
-    T pi = p[i], si = sum[i];
-    detail::adagrad_element(pi, g[i], si, c);
-    p[i] = pi;
-    sum[i] = si;
-  }
-}
-
-// One of RMSprop's four loops: kCentered and kMomentum say which of grad_avg and the momentum
-// buffer it loads and stores (they agree with c.centered and c.has_momentum).
-template <typename T, bool kCentered, bool kMomentum>
-DDPX_OPTIM_INLINE void rmsprop_loop_with(T* __restrict p, const T* __restrict g, T* __restrict sq,
-                                         T* __restrict ga, T* __restrict b,
-                                         const detail::RMSpropCoeffs<T>& c, int64_t begin,
-                                         int64_t end) {
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) {
-    T pi = p[i], sqi = sq[i];
-    T gai = kCentered ? ga[i] : T(0);
-    T bi = kMomentum ? b[i] : T(0);
-    detail::rmsprop_element(pi, g[i], sqi, gai, bi, c);
-    p[i] = pi;
-    sq[i] = sqi;
-    if (kCentered) ga[i] = gai;
-    if (kMomentum) b[i] = bi;
-  }
-}
-
-template <typename T>
-DDPX_OPTIM_INLINE void rmsprop_loop(T* __restrict p, const T* __restrict g, T* __restrict sq,
-                                    T* __restrict ga, T* __restrict b,
-                                    const detail::RMSpropCoeffs<T>& coeffs, int64_t begin,
-                                    int64_t end) {
-  const detail::RMSpropCoeffs<T> c = coeffs;  // a local copy: stores through p cannot alias it
-  const bool centered = c.centered != T(0), momentum = c.has_momentum != T(0);
-  if (centered && momentum) {
-    rmsprop_loop_with<T, true, true>(p, g, sq, ga, b, c, begin, end);
-  } else if (centered) {
-    rmsprop_loop_with<T, true, false>(p, g, sq, ga, b, c, begin, end);
-  } else if (momentum) {
-    rmsprop_loop_with<T, false, true>(p, g, sq, ga, b, c, begin, end);
-  } else {
-    rmsprop_loop_with<T, false, false>(p, g, sq, ga, b, c, begin, end);
-  }
-}
-
-template <typename T>
 DDPX_OPTIM_INLINE void sgd_typed(const SgdTensor& t, const SgdScalars& s, int64_t begin,
                                  int64_t end) {
   sgd_loop<T>(static_cast<T*>(t.param), static_cast<const T*>(t.grad), static_cast<T*>(t.buf),
@@ -145,21 +93,6 @@ DDPX_OPTIM_INLINE void adam_typed(const AdamTensor& t, const AdamScalars& s, int
   adam_loop<T>(static_cast<T*>(t.param), static_cast<const T*>(t.grad), static_cast<T*>(t.exp_avg),
                static_cast<T*>(t.exp_avg_sq), static_cast<T*>(t.max_exp_avg_sq),
                detail::adam_coeffs<T>(s), begin, end);
-}
-
-template <typename T>
-DDPX_OPTIM_INLINE void adagrad_typed(const AdagradTensor& t, const AdagradScalars& s, int64_t begin,
-                                     int64_t end) {
-  adagrad_loop<T>(static_cast<T*>(t.param), static_cast<const T*>(t.grad), static_cast<T*>(t.sum),
-                  detail::adagrad_coeffs<T>(s), begin, end);
-}
-
-template <typename T>
-DDPX_OPTIM_INLINE void rmsprop_typed(const RMSpropTensor& t, const RMSpropScalars& s, int64_t begin,
-                                     int64_t end) {
-  rmsprop_loop<T>(static_cast<T*>(t.param), static_cast<const T*>(t.grad),
-                  static_cast<T*>(t.square_avg), static_cast<T*>(t.grad_avg),
-                  static_cast<T*>(t.momentum_buffer), detail::rmsprop_coeffs<T>(s), begin, end);
 }
 
 // One build of the loops; the AVX2 build differs only in its target attribute.
@@ -175,22 +108,6 @@ DDPX_OPTIM_INLINE void rmsprop_typed(const RMSpropTensor& t, const RMSpropScalar
   }                                                                                              \
   attr void adam_f64_##suffix(const AdamTensor& t, const AdamScalars& s, int64_t b, int64_t e) { \
     adam_typed<double>(t, s, b, e);                                                              \
-  }                                                                                              \
-  attr void adagrad_f32_##suffix(const AdagradTensor& t, const AdagradScalars& s, int64_t b,     \
-                                 int64_t e) {                                                    \
-    adagrad_typed<float>(t, s, b, e);                                                            \
-  }                                                                                              \
-  attr void adagrad_f64_##suffix(const AdagradTensor& t, const AdagradScalars& s, int64_t b,     \
-                                 int64_t e) {                                                    \
-    adagrad_typed<double>(t, s, b, e);                                                           \
-  }                                                                                              \
-  attr void rmsprop_f32_##suffix(const RMSpropTensor& t, const RMSpropScalars& s, int64_t b,     \
-                                 int64_t e) {                                                    \
-    rmsprop_typed<float>(t, s, b, e);                                                            \
-  }                                                                                              \
-  attr void rmsprop_f64_##suffix(const RMSpropTensor& t, const RMSpropScalars& s, int64_t b,     \
-                                 int64_t e) {                                                    \
-    rmsprop_typed<double>(t, s, b, e);                                                           \
   }
 
 DDPX_OPTIM_DEFINE(portable, )
@@ -200,18 +117,12 @@ DDPX_OPTIM_DEFINE(avx2, __attribute__((target("avx2,fma"))))
 
 using SgdFn = void (*)(const SgdTensor&, const SgdScalars&, int64_t, int64_t);
 using AdamFn = void (*)(const AdamTensor&, const AdamScalars&, int64_t, int64_t);
-using AdagradFn = void (*)(const AdagradTensor&, const AdagradScalars&, int64_t, int64_t);
-using RMSpropFn = void (*)(const RMSpropTensor&, const RMSpropScalars&, int64_t, int64_t);
 
 struct OptimOps {
   SgdFn sgd_f32 = sgd_f32_portable;
   SgdFn sgd_f64 = sgd_f64_portable;
   AdamFn adam_f32 = adam_f32_portable;
   AdamFn adam_f64 = adam_f64_portable;
-  AdagradFn adagrad_f32 = adagrad_f32_portable;
-  AdagradFn adagrad_f64 = adagrad_f64_portable;
-  RMSpropFn rmsprop_f32 = rmsprop_f32_portable;
-  RMSpropFn rmsprop_f64 = rmsprop_f64_portable;
   bool fma = false;
   OptimOps() {
 #ifdef DDPX_OPTIM_X86
@@ -221,10 +132,6 @@ struct OptimOps {
       sgd_f64 = sgd_f64_avx2;
       adam_f32 = adam_f32_avx2;
       adam_f64 = adam_f64_avx2;
-      adagrad_f32 = adagrad_f32_avx2;
-      adagrad_f64 = adagrad_f64_avx2;
-      rmsprop_f32 = rmsprop_f32_avx2;
-      rmsprop_f64 = rmsprop_f64_avx2;
       fma = true;
     }
 #endif
@@ -275,40 +182,6 @@ void adam_cpu(const AdamTensor& t, DType dtype, const AdamScalars& s, int64_t be
       return optim_ops().adam_f64(t, s, begin, end);
     default:
       bad_dtype(dtype, "adam_cpu");
-  }
-}
-
-void adagrad_cpu(const AdagradTensor& t, DType dtype, const AdagradScalars& s, int64_t begin,
-                 int64_t end) {
-  check_range(t.n, begin, end, "adagrad_cpu");
-  if (begin == end) return;  // as the CUDA entry points: no element, no state needed
-  switch (dtype) {
-    case DType::kFloat32:
-      return optim_ops().adagrad_f32(t, s, begin, end);
-    case DType::kFloat64:
-      return optim_ops().adagrad_f64(t, s, begin, end);
-    default:
-      bad_dtype(dtype, "adagrad_cpu");
-  }
-}
-
-void rmsprop_cpu(const RMSpropTensor& t, DType dtype, const RMSpropScalars& s, int64_t begin,
-                 int64_t end) {
-  check_range(t.n, begin, end, "rmsprop_cpu");
-  if (begin == end) return;  // as the CUDA entry points: no element, no state needed
-  if (s.centered && t.grad_avg == nullptr) {
-    throw std::invalid_argument("ddpx rmsprop_cpu: centered needs grad_avg");
-  }
-  if (s.momentum > 0 && t.momentum_buffer == nullptr) {
-    throw std::invalid_argument("ddpx rmsprop_cpu: momentum needs a buffer");
-  }
-  switch (dtype) {
-    case DType::kFloat32:
-      return optim_ops().rmsprop_f32(t, s, begin, end);
-    case DType::kFloat64:
-      return optim_ops().rmsprop_f64(t, s, begin, end);
-    default:
-      bad_dtype(dtype, "rmsprop_cpu");
   }
 }
 

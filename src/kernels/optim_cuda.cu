@@ -72,41 +72,6 @@ __global__ void adam_kernel(T* __restrict__ p, const T* __restrict__ g, T* __res
             static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
-// Adagrad and RMSprop run one launch per tensor (no multi-tensor variant yet).
-template <typename T>
-__global__ void adagrad_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sum,
-                               int64_t n, detail::AdagradCoeffs<T> c) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += stride) {
-    T pi = p[i];
-    T si = sum[i];
-    detail::adagrad_element(pi, g[i], si, c);
-    p[i] = pi;
-    sum[i] = si;
-  }
-}
-
-template <typename T>
-__global__ void rmsprop_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq,
-                               T* __restrict__ ga, T* __restrict__ b, int64_t n,
-                               detail::RMSpropCoeffs<T> c) {
-  const bool centered = c.centered != T(0), momentum = c.has_momentum != T(0);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += stride) {
-    T pi = p[i];
-    T sqi = sq[i];
-    T gai = centered ? ga[i] : T(0);
-    T bi = momentum ? b[i] : T(0);
-    detail::rmsprop_element(pi, g[i], sqi, gai, bi, c);
-    p[i] = pi;
-    sq[i] = sqi;
-    if (centered) ga[i] = gai;
-    if (momentum) b[i] = bi;
-  }
-}
-
 // A multi-tensor launch's parameter block: up to kMultiTensors tensors, their coefficients and
 // which blocks work on which tensor (plan_blocks).
 template <typename T>
@@ -219,23 +184,6 @@ void launch_adam(const AdamTensor& t, const AdamScalars& s, cudaStream_t stream)
   DDPX_CUDA_CHECK(cudaGetLastError());
 }
 
-template <typename T>
-void launch_adagrad(const AdagradTensor& t, const AdagradScalars& s, cudaStream_t stream) {
-  adagrad_kernel<T><<<blocks_for(t.n), kThreads, 0, stream>>>(
-      static_cast<T*>(t.param), static_cast<const T*>(t.grad), static_cast<T*>(t.sum), t.n,
-      detail::adagrad_coeffs<T>(s));
-  DDPX_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void launch_rmsprop(const RMSpropTensor& t, const RMSpropScalars& s, cudaStream_t stream) {
-  rmsprop_kernel<T><<<blocks_for(t.n), kThreads, 0, stream>>>(
-      static_cast<T*>(t.param), static_cast<const T*>(t.grad), static_cast<T*>(t.square_avg),
-      static_cast<T*>(t.grad_avg), static_cast<T*>(t.momentum_buffer), t.n,
-      detail::rmsprop_coeffs<T>(s));
-  DDPX_CUDA_CHECK(cudaGetLastError());
-}
-
 [[noreturn]] void bad_dtype(DType t, const char* op) {
   throw std::invalid_argument(std::string("ddpx ") + op + ": unsupported dtype tag " +
                               std::to_string(static_cast<int>(t)) + " (float32 and float64 only)");
@@ -270,38 +218,6 @@ void adam_cuda(const AdamTensor& t, DType dtype, const AdamScalars& s, cudaStrea
       return launch_adam<double>(t, s, stream);
     default:
       bad_dtype(dtype, "adam_cuda");
-  }
-}
-
-void adagrad_cuda(const AdagradTensor& t, DType dtype, const AdagradScalars& s,
-                  cudaStream_t stream) {
-  if (t.n <= 0) return;
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_adagrad<float>(t, s, stream);
-    case DType::kFloat64:
-      return launch_adagrad<double>(t, s, stream);
-    default:
-      bad_dtype(dtype, "adagrad_cuda");
-  }
-}
-
-void rmsprop_cuda(const RMSpropTensor& t, DType dtype, const RMSpropScalars& s,
-                  cudaStream_t stream) {
-  if (t.n <= 0) return;
-  if (s.centered && t.grad_avg == nullptr) {
-    throw std::invalid_argument("ddpx rmsprop_cuda: centered needs grad_avg");
-  }
-  if (s.momentum > 0 && t.momentum_buffer == nullptr) {
-    throw std::invalid_argument("ddpx rmsprop_cuda: momentum needs a buffer");
-  }
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_rmsprop<float>(t, s, stream);
-    case DType::kFloat64:
-      return launch_rmsprop<double>(t, s, stream);
-    default:
-      bad_dtype(dtype, "rmsprop_cuda");
   }
 }
 

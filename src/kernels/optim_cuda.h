@@ -15,10 +15,6 @@ namespace kernels {
 // Updates all t.n elements of `t`; float32 and float64 only (std::invalid_argument otherwise).
 void sgd_cuda(const SgdTensor& t, DType dtype, const SgdScalars& s, cudaStream_t stream);
 void adam_cuda(const AdamTensor& t, DType dtype, const AdamScalars& s, cudaStream_t stream);
-void adagrad_cuda(const AdagradTensor& t, DType dtype, const AdagradScalars& s,
-                  cudaStream_t stream);
-void rmsprop_cuda(const RMSpropTensor& t, DType dtype, const RMSpropScalars& s,
-                  cudaStream_t stream);
 
 // Many tensors, each with its own scalars (an SGD buffer's first step, an Adam step's bias
 // corrections), in as few launches as possible: kMultiTensors (multi_tensor.h) per launch instead

@@ -1,4 +1,4 @@
-// The per-element updates of SGD, Adam/AdamW, Adagrad and RMSprop, shared by the CPU kernels
+// The per-element updates of SGD and Adam/AdamW, shared by the CPU kernels
 // (optim_cpu.cpp) and the CUDA kernels (optim_cuda.cu), so both compute the same thing. Each line
 // reproduces one ATen operation of torch.optim's single-tensor implementation, in its order and
 // with its rounding, with the arithmetic of ddpx/optim/elementwise/math.h (which says how ATen
@@ -132,104 +132,6 @@ DDPX_OPTIM_INLINE void adam_element(T& p, T g, T& m, T& v, T& vmax, const AdamCo
   const T s = select(c.amsgrad, vmax_next, v);
   const T denom = sqrt_rn(s) / c.bias_correction2_sqrt + c.eps;  // (sqrt / bc2_sqrt).add_(eps)
   p = p + (c.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
-}
-
-// AdagradScalars rounded to the element type; the flags as 0/1 of the element type (see select).
-template <typename T>
-struct AdagradCoeffs {
-  T neg_clr;
-  T weight_decay;
-  T eps;
-  T has_weight_decay;
-  T maximize;
-};
-
-template <typename T>
-inline AdagradCoeffs<T> adagrad_coeffs(const AdagradScalars& s) {
-  AdagradCoeffs<T> c;
-  c.neg_clr = static_cast<T>(-s.clr);
-  c.weight_decay = static_cast<T>(s.weight_decay);
-  c.eps = static_cast<T>(s.eps);
-  c.has_weight_decay = s.weight_decay != 0 ? T(1) : T(0);
-  c.maximize = s.maximize ? T(1) : T(0);
-  return c;
-}
-
-// torch.optim.adagrad._single_tensor_adagrad, dense gradient (identical in 1.13 and 2.11).
-template <typename T>
-DDPX_OPTIM_INLINE void adagrad_element(T& p, T g, T& sum, const AdagradCoeffs<T>& c) {
-  // As sgd_element: every candidate computed, the flags select among values.
-  g = select(c.maximize, -g, g);
-  const T g_wd = fmadd(p, c.weight_decay, g);  // grad.add(param, alpha=weight_decay)
-  g = select(c.has_weight_decay, g_wd, g);
-  sum = fmadd(g, g, sum);              // state_sum.addcmul_(grad, grad, value=1)
-  const T std = sqrt_rn(sum) + c.eps;  // state_sum.sqrt().add_(eps)
-  p = p + (c.neg_clr * g) / std;       // param.addcdiv_(grad, std, value=-clr)
-}
-
-// RMSpropScalars rounded to the element type; the flags as 0/1 of the element type (see select).
-template <typename T>
-struct RMSpropCoeffs {
-  T neg_lr;
-  T alpha;
-  T one_minus_alpha;
-  T eps;
-  T weight_decay;
-  T momentum;
-  T has_weight_decay;
-  T has_momentum;
-  T centered;
-  T lerp;        // torch 2.1+: grad_avg.lerp_(grad, 1 - alpha)
-  T lerp_small;  // |1 - alpha| < 0.5: ATen's lerp starts from grad_avg, else from grad
-  T maximize;
-};
-
-template <typename T>
-inline RMSpropCoeffs<T> rmsprop_coeffs(const RMSpropScalars& s) {
-  RMSpropCoeffs<T> c;
-  c.neg_lr = static_cast<T>(-s.lr);
-  c.alpha = static_cast<T>(s.alpha);
-  c.one_minus_alpha = static_cast<T>(1.0 - s.alpha);
-  c.eps = static_cast<T>(s.eps);
-  c.weight_decay = static_cast<T>(s.weight_decay);
-  c.momentum = static_cast<T>(s.momentum);
-  c.has_weight_decay = s.weight_decay != 0 ? T(1) : T(0);
-  c.has_momentum = s.momentum > 0 ? T(1) : T(0);
-  c.centered = s.centered ? T(1) : T(0);
-  c.lerp = s.formula == RMSpropFormula::kTorch2 ? T(1) : T(0);
-  c.lerp_small = c.one_minus_alpha < T(0.5) && c.one_minus_alpha > T(-0.5) ? T(1) : T(0);
-  c.maximize = s.maximize ? T(1) : T(0);
-  return c;
-}
-
-// torch.optim.rmsprop._single_tensor_rmsprop (2.11; 1.13's differs only in the centered
-// grad_avg update). `ga` is meaningful only with c.centered, `buf` only with c.has_momentum.
-template <typename T>
-DDPX_OPTIM_INLINE void rmsprop_element(T& p, T g, T& sq, T& ga, T& buf, const RMSpropCoeffs<T>& c) {
-  // As sgd_element: every candidate computed, the flags select among values.
-  g = select(c.maximize, -g, g);
-  const T g_wd = fmadd(p, c.weight_decay, g);  // grad.add(param, alpha=weight_decay)
-  g = select(c.has_weight_decay, g_wd, g);
-  // square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
-  sq = fmadd(c.one_minus_alpha * g, g, sq * c.alpha);
-  // 2.1+: grad_avg.lerp_(grad, 1 - alpha), ATen's two-sided form; 1.13: grad_avg.mul_(alpha)
-  // .add_(grad, alpha=1 - alpha).
-  const T w = c.one_minus_alpha;
-  const T d = g - ga;
-  const T ga_lerp_small = fmadd(w, d, ga);
-  const T ga_lerp_large = fmadd(w - T(1), d, g);
-  const T ga_mul_add = fmadd(g, c.one_minus_alpha, ga * c.alpha);
-  const T ga_next = select(c.lerp, select(c.lerp_small, ga_lerp_small, ga_lerp_large), ga_mul_add);
-  ga = select(c.centered, ga_next, ga);
-  // centered: square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_(); else square_avg.sqrt()
-  const T var = fmadd(-ga_next, ga_next, sq);
-  const T avg = sqrt_rn(select(c.centered, var, sq)) + c.eps;  // avg.add_(eps)
-  // momentum > 0: buf.mul_(momentum).addcdiv_(grad, avg); param.add_(buf, alpha=-lr)
-  const T buf_next = mul_rn(buf, c.momentum) + g / avg;
-  buf = select(c.has_momentum, buf_next, buf);
-  const T p_momentum = fmadd(buf_next, c.neg_lr, p);
-  const T p_plain = p + (c.neg_lr * g) / avg;  // param.addcdiv_(grad, avg, value=-lr)
-  p = select(c.has_momentum, p_momentum, p_plain);
 }
 
 }  // namespace detail

@@ -25,10 +25,12 @@ void update_as(const at::Tensor& param, const at::Tensor& grad,
   kernels::ElementwiseTensor<Traits, T> t;
   t.param = param.data_ptr<T>();
   t.grad = grad.data_ptr<T>();
-  for (int k = 0; k < Traits::kStates; ++k) t.state[k] = states[k].data_ptr<T>();
+  for (int k = 0; k < Traits::kStates; ++k) {
+    t.state[k] = states[k].defined() ? states[k].data_ptr<T>() : nullptr;
+  }
   t.n = param.numel();
-  // torch 2.x's formulas (lerp) where the optimizers differ from 1.13's.
-  const auto c = Traits::template coeffs<T>(o, step, compat::kAdamLerpsExpAvg);
+  // The formulas of the torch ddpx is built against, where torch.optim changed them.
+  const auto c = Traits::template coeffs<T>(o, step, compat::kTorchVersion);
   run_elementwise(
       param, t.n, kElementwiseGrain,
       [&](auto stream) {
@@ -55,7 +57,12 @@ void elementwise_update(const at::Tensor& param, const at::Tensor& grad,
   };
   like(param);
   like(grad);
-  for (const at::Tensor& s : states) like(s);
+  for (int k = 0; k < Traits::kStates; ++k) {
+    TORCH_INTERNAL_ASSERT(states[k].defined() == optim::elementwise::keeps_state<Traits>(k, o),
+                          Traits::kKind, ": state ", Traits::kStateNames[k],
+                          " must be given exactly when the options keep it");
+    if (states[k].defined()) like(states[k]);
+  }
   switch (param.scalar_type()) {
     case at::kFloat:
       return update_as<Traits, float>(param, grad, states, o, step);

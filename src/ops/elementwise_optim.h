@@ -14,8 +14,9 @@
 namespace ddpx {
 namespace ops {
 
-// One update of `param` and `states` (Traits::kStates tensors, in Traits::kStateNames' order)
-// in place with `grad`, for step number `step` (torch's state["step"] after its increment).
+// One update of `param` and `states` (Traits::kStates tensors, in Traits::kStateNames' order;
+// undefined where the options do not keep that state) in place with `grad`, for step number `step`
+// (torch's state["step"] after its increment).
 template <typename Traits>
 void elementwise_update(const at::Tensor& param, const at::Tensor& grad,
                         const std::vector<at::Tensor>& states, const typename Traits::Options& o,

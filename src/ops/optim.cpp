@@ -36,14 +36,6 @@ void cpu_range(const kernels::AdamTensor& t, kernels::DType dt, const kernels::A
                int64_t begin, int64_t end) {
   kernels::adam_cpu(t, dt, s, begin, end);
 }
-void cpu_range(const kernels::AdagradTensor& t, kernels::DType dt, const kernels::AdagradScalars& s,
-               int64_t begin, int64_t end) {
-  kernels::adagrad_cpu(t, dt, s, begin, end);
-}
-void cpu_range(const kernels::RMSpropTensor& t, kernels::DType dt, const kernels::RMSpropScalars& s,
-               int64_t begin, int64_t end) {
-  kernels::rmsprop_cpu(t, dt, s, begin, end);
-}
 #ifdef DDPX_WITH_CUDA
 void cuda_all(const kernels::SgdTensor& t, kernels::DType dt, const kernels::SgdScalars& s,
               cudaStream_t stream) {
@@ -52,14 +44,6 @@ void cuda_all(const kernels::SgdTensor& t, kernels::DType dt, const kernels::Sgd
 void cuda_all(const kernels::AdamTensor& t, kernels::DType dt, const kernels::AdamScalars& s,
               cudaStream_t stream) {
   kernels::adam_cuda(t, dt, s, stream);
-}
-void cuda_all(const kernels::AdagradTensor& t, kernels::DType dt, const kernels::AdagradScalars& s,
-              cudaStream_t stream) {
-  kernels::adagrad_cuda(t, dt, s, stream);
-}
-void cuda_all(const kernels::RMSpropTensor& t, kernels::DType dt, const kernels::RMSpropScalars& s,
-              cudaStream_t stream) {
-  kernels::rmsprop_cuda(t, dt, s, stream);
 }
 #endif
 
@@ -107,37 +91,6 @@ void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   t.exp_avg = exp_avg.data_ptr();
   t.exp_avg_sq = exp_avg_sq.data_ptr();
   t.max_exp_avg_sq = s.amsgrad ? ptr_or_null(max_exp_avg_sq) : nullptr;
-  t.n = param.numel();
-  run(param, t, dt, s);
-}
-
-void adagrad_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& sum,
-                    const kernels::AdagradScalars& s) {
-  const kernels::DType dt = check_like(param, param, "param");
-  check_like(param, grad, "grad");
-  check_like(param, sum, "sum");
-  kernels::AdagradTensor t;
-  t.param = param.data_ptr();
-  t.grad = grad.data_ptr();
-  t.sum = sum.data_ptr();
-  t.n = param.numel();
-  run(param, t, dt, s);
-}
-
-void rmsprop_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& square_avg,
-                    const at::Tensor& grad_avg, const at::Tensor& momentum_buffer,
-                    const kernels::RMSpropScalars& s) {
-  const kernels::DType dt = check_like(param, param, "param");
-  check_like(param, grad, "grad");
-  check_like(param, square_avg, "square_avg");
-  if (s.centered) check_like(param, grad_avg, "grad_avg");
-  if (s.momentum > 0) check_like(param, momentum_buffer, "momentum_buffer");
-  kernels::RMSpropTensor t;
-  t.param = param.data_ptr();
-  t.grad = grad.data_ptr();
-  t.square_avg = square_avg.data_ptr();
-  t.grad_avg = s.centered ? grad_avg.data_ptr() : nullptr;
-  t.momentum_buffer = s.momentum > 0 ? momentum_buffer.data_ptr() : nullptr;
   t.n = param.numel();
   run(param, t, dt, s);
 }

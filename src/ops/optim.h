@@ -25,16 +25,6 @@ void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
                  const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,
                  const kernels::AdamScalars& s);
 
-// One Adagrad update of `param` and `sum` (torch's state["sum"]) in place.
-void adagrad_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& sum,
-                    const kernels::AdagradScalars& s);
-
-// One RMSprop update of `param`, `square_avg`, `grad_avg` (read and written only when
-// s.centered; undefined otherwise) and `momentum_buffer` (only with s.momentum > 0) in place.
-void rmsprop_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& square_avg,
-                    const at::Tensor& grad_avg, const at::Tensor& momentum_buffer,
-                    const kernels::RMSpropScalars& s);
-
 // Many updates, each with its own scalars (s[i] for params[i]; bufs / max_exp_avg_sqs entries
 // may be undefined where unused): on CUDA (every tensor on params[0]'s device) in multi-tensor
 // launches, on CPU one tensor after another. The same results as one call per tensor.

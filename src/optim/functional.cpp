@@ -79,25 +79,6 @@ void AdamOptions::validate() const {
   TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
 }
 
-void AdagradOptions::validate() const {
-  // torch.optim.Adagrad's checks, in its order and with its messages (`not 0.0 <= x`: NaN too).
-  TORCH_CHECK_VALUE(0.0 <= lr, "Invalid learning rate: ", lr);
-  TORCH_CHECK_VALUE(0.0 <= lr_decay, "Invalid lr_decay value: ", lr_decay);
-  TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
-  TORCH_CHECK_VALUE(0.0 <= initial_accumulator_value,
-                    "Invalid initial_accumulator_value value: ", initial_accumulator_value);
-  TORCH_CHECK_VALUE(0.0 <= eps, "Invalid epsilon value: ", eps);
-}
-
-void RMSpropOptions::validate() const {
-  // torch.optim.RMSprop's checks, in its order and with its messages (NaN refused too).
-  TORCH_CHECK_VALUE(0.0 <= lr, "Invalid learning rate: ", lr);
-  TORCH_CHECK_VALUE(0.0 <= eps, "Invalid epsilon value: ", eps);
-  TORCH_CHECK_VALUE(0.0 <= momentum, "Invalid momentum value: ", momentum);
-  TORCH_CHECK_VALUE(0.0 <= weight_decay, "Invalid weight_decay value: ", weight_decay);
-  TORCH_CHECK_VALUE(0.0 <= alpha, "Invalid alpha value: ", alpha);
-}
-
 const char* optimizer_kind(const OptimizerOptions& options) {
   return std::visit(
       [](const auto& o) -> const char* {
@@ -106,10 +87,6 @@ const char* optimizer_kind(const OptimizerOptions& options) {
           return "sgd";
         } else if constexpr (std::is_same_v<O, AdamOptions>) {
           return o.decoupled_weight_decay ? "adamw" : "adam";
-        } else if constexpr (std::is_same_v<O, AdagradOptions>) {
-          return "adagrad";
-        } else if constexpr (std::is_same_v<O, RMSpropOptions>) {
-          return "rmsprop";
         } else {
           return O::Traits::kKind;
         }
@@ -216,96 +193,6 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
         compat::kAdamLerpsExpAvg ? std::pow(bias_correction2, 0.5) : std::sqrt(bias_correction2);
   }
   ops::adam_update_multi(params, grads, exp_avgs, exp_avg_sqs, maxes, per);
-}
-
-void adagrad_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                  std::vector<at::Tensor>& state_sums, std::vector<int64_t>& steps,
-                  const AdagradOptions& opts) {
-  constexpr const char* kOp = "ddpx::optim::adagrad_step";
-  opts.validate();
-  const size_t n = params.size();
-  check_count(n, grads.size(), kOp, "grads");
-  check_count(n, state_sums.size(), kOp, "state_sums");
-  check_count(n, steps.size(), kOp, "steps");
-  for (size_t i = 0; i < n; ++i) {
-    check_param(params[i], kOp, i);
-    check_like(params[i], grads[i], kOp, "grads", i);  // a sparse gradient fails here
-    TORCH_CHECK_VALUE(steps[i] >= 0, kOp, ": steps[", i, "] must be >= 0, got ", steps[i]);
-    if (state_sums[i].defined()) {
-      check_like(params[i], state_sums[i], kOp, "state_sums", i);
-    } else {
-      TORCH_CHECK_VALUE(steps[i] == 0, kOp, ": params[", i, "] has no sum but step ", steps[i]);
-    }
-  }
-  kernels::AdagradScalars s;
-  s.weight_decay = opts.weight_decay;
-  s.eps = opts.eps;
-  s.maximize = opts.maximize;
-  for (size_t i = 0; i < n; ++i) {
-    if (!state_sums[i].defined()) {
-      state_sums[i] = at::full_like(params[i], opts.initial_accumulator_value);
-    }
-    // torch keeps the step in a float32 tensor and decays the rate in Python floats.
-    steps[i] += 1;
-    const double step = static_cast<double>(static_cast<float>(steps[i]));
-    s.clr = opts.lr / (1 + (step - 1) * opts.lr_decay);
-    ops::adagrad_update(params[i], grads[i], state_sums[i], s);
-  }
-}
-
-void rmsprop_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                  std::vector<at::Tensor>& square_avgs, std::vector<at::Tensor>& grad_avgs,
-                  std::vector<at::Tensor>& momentum_buffers, std::vector<int64_t>& steps,
-                  const RMSpropOptions& opts) {
-  constexpr const char* kOp = "ddpx::optim::rmsprop_step";
-  opts.validate();
-  const size_t n = params.size();
-  const bool momentum = opts.momentum > 0;
-  check_count(n, grads.size(), kOp, "grads");
-  check_count(n, square_avgs.size(), kOp, "square_avgs");
-  if (opts.centered) check_count(n, grad_avgs.size(), kOp, "grad_avgs");
-  if (momentum) check_count(n, momentum_buffers.size(), kOp, "momentum_buffers");
-  check_count(n, steps.size(), kOp, "steps");
-  for (size_t i = 0; i < n; ++i) {
-    check_param(params[i], kOp, i);
-    check_like(params[i], grads[i], kOp, "grads", i);  // a sparse gradient fails here
-    TORCH_CHECK_VALUE(steps[i] >= 0, kOp, ": steps[", i, "] must be >= 0, got ", steps[i]);
-    const bool has_avg = square_avgs[i].defined();
-    const bool has_grad_avg = opts.centered && grad_avgs[i].defined();
-    const bool has_buf = momentum && momentum_buffers[i].defined();
-    const bool fresh = !has_avg && !has_grad_avg && !has_buf;
-    const bool complete = has_avg && (!opts.centered || has_grad_avg) && (!momentum || has_buf);
-    TORCH_CHECK_VALUE((fresh && steps[i] == 0) || complete, kOp, ": params[", i,
-                      "] has part of its state only (step ", steps[i],
-                      "); give square_avg (grad_avg when centered, momentum_buffer with "
-                      "momentum) or none");
-    if (complete) {
-      check_like(params[i], square_avgs[i], kOp, "square_avgs", i);
-      if (opts.centered) check_like(params[i], grad_avgs[i], kOp, "grad_avgs", i);
-      if (momentum) check_like(params[i], momentum_buffers[i], kOp, "momentum_buffers", i);
-    }
-  }
-  kernels::RMSpropScalars s;
-  s.lr = opts.lr;
-  s.alpha = opts.alpha;
-  s.eps = opts.eps;
-  s.weight_decay = opts.weight_decay;
-  s.momentum = opts.momentum;
-  s.centered = opts.centered;
-  s.maximize = opts.maximize;
-  s.formula = compat::kRMSpropLerpsGradAvg ? kernels::RMSpropFormula::kTorch2
-                                           : kernels::RMSpropFormula::kTorch1;
-  for (size_t i = 0; i < n; ++i) {
-    if (!square_avgs[i].defined()) square_avgs[i] = at::zeros_like(params[i]);
-    if (opts.centered && !grad_avgs[i].defined()) grad_avgs[i] = at::zeros_like(params[i]);
-    if (momentum && !momentum_buffers[i].defined()) {
-      momentum_buffers[i] = at::zeros_like(params[i]);
-    }
-    steps[i] += 1;  // torch counts it; the update does not use it
-    ops::rmsprop_update(params[i], grads[i], square_avgs[i],
-                        opts.centered ? grad_avgs[i] : at::Tensor(),
-                        momentum ? momentum_buffers[i] : at::Tensor(), s);
-  }
 }
 
 // ---- stateful wrappers ----------------------------------------------------------------------
@@ -461,112 +348,6 @@ at::Tensor step_tensor(int64_t step) {
 
 }  // namespace
 
-FunctionalAdagrad::FunctionalAdagrad(std::vector<at::Tensor> params, AdagradOptions opts)
-    : params_(std::move(params)), opts_(opts), sums_(params_.size()), steps_(params_.size(), 0) {
-  opts_.validate();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    check_param(params_[i], "FunctionalAdagrad", i);
-    sums_[i] = at::full_like(params_[i], opts_.initial_accumulator_value);
-  }
-}
-
-void FunctionalAdagrad::step(const std::vector<at::Tensor>& grads) {
-  const auto idx = stepped_indices(params_, grads, "FunctionalAdagrad.step");
-  std::vector<at::Tensor> sums = pick(sums_, idx);
-  std::vector<int64_t> steps = pick(steps_, idx);
-  adagrad_step(pick(params_, idx), pick(grads, idx), sums, steps, opts_);
-  put(sums_, idx, sums);
-  put(steps_, idx, steps);
-}
-
-std::vector<ParamState> FunctionalAdagrad::state() const {
-  std::vector<ParamState> out(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out[i]["step"] = step_tensor(steps_[i]);
-    out[i]["sum"] = sums_[i];
-  }
-  return out;
-}
-
-void FunctionalAdagrad::load_state(const std::vector<ParamState>& state) {
-  constexpr const char* kOp = "FunctionalAdagrad.load_state";
-  check_count(params_.size(), state.size(), kOp, "state");
-  std::vector<at::Tensor> sums(params_.size());
-  std::vector<int64_t> steps(params_.size(), 0);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const ParamState& st = state[i];
-    if (st.empty()) {
-      sums[i] = at::full_like(params_[i], opts_.initial_accumulator_value);
-      continue;
-    }
-    steps[i] = step_of(st, kOp, i);
-    sums[i] = state_like(params_[i], st, "sum", kOp, i);
-    TORCH_CHECK_VALUE(sums[i].defined(), kOp, ": state[", i, "] needs \"sum\"");
-  }
-  sums_ = std::move(sums);
-  steps_ = std::move(steps);
-}
-
-FunctionalRMSprop::FunctionalRMSprop(std::vector<at::Tensor> params, RMSpropOptions opts)
-    : params_(std::move(params)),
-      opts_(opts),
-      square_avgs_(params_.size()),
-      grad_avgs_(params_.size()),
-      momentum_buffers_(params_.size()),
-      steps_(params_.size(), 0) {
-  opts_.validate();
-  for (size_t i = 0; i < params_.size(); ++i) check_param(params_[i], "FunctionalRMSprop", i);
-}
-
-void FunctionalRMSprop::step(const std::vector<at::Tensor>& grads) {
-  const auto idx = stepped_indices(params_, grads, "FunctionalRMSprop.step");
-  std::vector<at::Tensor> sq = pick(square_avgs_, idx), ga = pick(grad_avgs_, idx),
-                          bufs = pick(momentum_buffers_, idx);
-  std::vector<int64_t> steps = pick(steps_, idx);
-  rmsprop_step(pick(params_, idx), pick(grads, idx), sq, ga, bufs, steps, opts_);
-  put(square_avgs_, idx, sq);
-  put(grad_avgs_, idx, ga);
-  put(momentum_buffers_, idx, bufs);
-  put(steps_, idx, steps);
-}
-
-std::vector<ParamState> FunctionalRMSprop::state() const {
-  std::vector<ParamState> out(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!square_avgs_[i].defined()) continue;
-    out[i]["step"] = step_tensor(steps_[i]);
-    out[i]["square_avg"] = square_avgs_[i];
-    if (opts_.momentum > 0) out[i]["momentum_buffer"] = momentum_buffers_[i];
-    if (opts_.centered) out[i]["grad_avg"] = grad_avgs_[i];
-  }
-  return out;
-}
-
-void FunctionalRMSprop::load_state(const std::vector<ParamState>& state) {
-  constexpr const char* kOp = "FunctionalRMSprop.load_state";
-  check_count(params_.size(), state.size(), kOp, "state");
-  const size_t n = params_.size();
-  std::vector<at::Tensor> sq(n), ga(n), bufs(n);
-  std::vector<int64_t> steps(n, 0);
-  for (size_t i = 0; i < n; ++i) {
-    const ParamState& st = state[i];
-    if (st.empty()) continue;
-    steps[i] = step_of(st, kOp, i);
-    sq[i] = state_like(params_[i], st, "square_avg", kOp, i);
-    TORCH_CHECK_VALUE(sq[i].defined(), kOp, ": state[", i, "] needs \"square_avg\"");
-    ga[i] = state_like(params_[i], st, "grad_avg", kOp, i);
-    TORCH_CHECK_VALUE(!opts_.centered || ga[i].defined(), kOp, ": state[", i,
-                      "] needs \"grad_avg\" when centered");
-    bufs[i] = state_like(params_[i], st, "momentum_buffer", kOp, i);
-    TORCH_CHECK_VALUE(!(opts_.momentum > 0) || bufs[i].defined(), kOp, ": state[", i,
-                      "] needs \"momentum_buffer\" with momentum");
-  }
-  square_avgs_ = std::move(sq);
-  grad_avgs_ = std::move(ga);
-  momentum_buffers_ = std::move(bufs);
-  steps_ = std::move(steps);
-}
-
 // ---- the elementwise optimizers ---------------------------------------------------------------
 
 template <typename Traits>
@@ -582,19 +363,26 @@ void elementwise_check(const std::vector<at::Tensor>& params, const std::vector<
   check_count(n, steps.size(), kOp, "steps");
   TORCH_CHECK_VALUE(states.size() == static_cast<size_t>(K), kOp, ": states has ", states.size(),
                     " lists but ", Traits::kName, " keeps ", K);
-  for (int k = 0; k < K; ++k) check_count(n, states[k].size(), kOp, Traits::kStateNames[k]);
+  // The states these options keep; the others' lists are not read.
+  std::vector<int> kept;
+  for (int k = 0; k < K; ++k) {
+    if (!elementwise::keeps_state<Traits>(k, opts)) continue;
+    kept.push_back(k);
+    check_count(n, states[k].size(), kOp, Traits::kStateNames[k]);
+  }
+  const int all = static_cast<int>(kept.size());
   for (size_t i = 0; i < n; ++i) {
     check_param(params[i], kOp, i);
-    check_like(params[i], grads[i], kOp, "grads", i);
+    check_like(params[i], grads[i], kOp, "grads", i);  // a sparse gradient fails here
     TORCH_CHECK_VALUE(steps[i] >= 0, kOp, ": steps[", i, "] must be >= 0, got ", steps[i]);
     int defined = 0;
-    for (int k = 0; k < K; ++k) defined += states[k][i].defined() ? 1 : 0;
-    TORCH_CHECK_VALUE(defined == 0 || defined == K, kOp, ": params[", i,
+    for (int k : kept) defined += states[k][i].defined() ? 1 : 0;
+    TORCH_CHECK_VALUE(defined == 0 || defined == all, kOp, ": params[", i,
                       "] has part of its state only; give all of it or none");
-    TORCH_CHECK_VALUE(defined == K || steps[i] == 0, kOp, ": params[", i, "] has step ", steps[i],
+    TORCH_CHECK_VALUE(defined == all || steps[i] == 0, kOp, ": params[", i, "] has step ", steps[i],
                       " but no state");
-    for (int k = 0; k < K; ++k) {
-      if (defined == K) check_like(params[i], states[k][i], kOp, Traits::kStateNames[k], i);
+    for (int k : kept) {
+      if (defined == all) check_like(params[i], states[k][i], kOp, Traits::kStateNames[k], i);
     }
   }
 }
@@ -607,9 +395,10 @@ void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<a
   elementwise_check<Traits>(params, grads, states, steps, opts);
   constexpr int K = Traits::kStates;
   const size_t n = params.size();
-  std::vector<at::Tensor> tensor_states(K);
+  std::vector<at::Tensor> tensor_states(K);  // undefined where a state is not kept
   for (size_t i = 0; i < n; ++i) {
     for (int k = 0; k < K; ++k) {
+      if (!elementwise::keeps_state<Traits>(k, opts)) continue;
       if (!states[k][i].defined()) {
         states[k][i] = at::full_like(params[i], Traits::initial_state(k, opts));
       }
@@ -629,6 +418,19 @@ FunctionalElementwise<Traits>::FunctionalElementwise(std::vector<at::Tensor> par
   validate_elementwise(opts_);
   const std::string op = std::string("Functional") + Traits::kName;
   for (size_t i = 0; i < params_.size(); ++i) check_param(params_[i], op.c_str(), i);
+  if (elementwise::StateFromConstructor<Traits>::value) {
+    for (size_t i = 0; i < params_.size(); ++i) fresh_state(i, states_);
+  }
+}
+
+template <typename Traits>
+void FunctionalElementwise<Traits>::fresh_state(
+    size_t i, std::vector<std::vector<at::Tensor>>& states) const {
+  for (int k = 0; k < Traits::kStates; ++k) {
+    if (elementwise::keeps_state<Traits>(k, opts_)) {
+      states[k][i] = at::full_like(params_[i], Traits::initial_state(k, opts_));
+    }
+  }
 }
 
 template <typename Traits>
@@ -647,9 +449,11 @@ template <typename Traits>
 std::vector<ParamState> FunctionalElementwise<Traits>::state() const {
   std::vector<ParamState> out(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!states_[0][i].defined()) continue;
+    if (!states_[0][i].defined()) continue;  // state 0 is always kept
     out[i]["step"] = step_tensor(steps_[i]);
-    for (int k = 0; k < Traits::kStates; ++k) out[i][Traits::kStateNames[k]] = states_[k][i];
+    for (int k = 0; k < Traits::kStates; ++k) {
+      if (states_[k][i].defined()) out[i][Traits::kStateNames[k]] = states_[k][i];
+    }
   }
   return out;
 }
@@ -664,9 +468,13 @@ void FunctionalElementwise<Traits>::load_state(const std::vector<ParamState>& st
   std::vector<int64_t> steps(n, 0);
   for (size_t i = 0; i < n; ++i) {
     const ParamState& st = state[i];
-    if (st.empty()) continue;
+    if (st.empty()) {
+      if (elementwise::StateFromConstructor<Traits>::value) fresh_state(i, states);
+      continue;
+    }
     steps[i] = step_of(st, kOp, i);
     for (int k = 0; k < Traits::kStates; ++k) {
+      if (!elementwise::keeps_state<Traits>(k, opts_)) continue;
       states[k][i] = state_like(params_[i], st, Traits::kStateNames[k], kOp, i);
       TORCH_CHECK_VALUE(states[k][i].defined(), kOp, ": state[", i, "] needs \"",
                         Traits::kStateNames[k], "\"");

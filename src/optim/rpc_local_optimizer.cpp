@@ -77,10 +77,6 @@ std::shared_ptr<RpcLocalOptimizer> make_rpc_local_optimizer(std::vector<at::Tens
           return wrap(kind, std::make_shared<FunctionalSGD>(std::move(params), o));
         } else if constexpr (std::is_same_v<O, AdamOptions>) {
           return wrap(kind, std::make_shared<FunctionalAdam>(std::move(params), o));
-        } else if constexpr (std::is_same_v<O, AdagradOptions>) {
-          return wrap(kind, std::make_shared<FunctionalAdagrad>(std::move(params), o));
-        } else if constexpr (std::is_same_v<O, RMSpropOptions>) {
-          return wrap(kind, std::make_shared<FunctionalRMSprop>(std::move(params), o));
         } else {  // an elementwise optimizer (ddpx/optim/elementwise/all.h)
           return wrap(kind, std::make_shared<FunctionalElementwise<typename O::Traits>>(
                                 std::move(params), o));

@@ -1,6 +1,7 @@
 // Bindings of the functional optimizers (ddpx/optim/functional.h): the multi-tensor steps
-// sgd_step / adam_step / adagrad_step / rmsprop_step and the stateful FunctionalSGD /
-// FunctionalAdam / FunctionalAdagrad / FunctionalRMSprop. Tensor lists come and go as Python
+// sgd_step / adam_step and the stateful FunctionalSGD / FunctionalAdam, and for every
+// elementwise optimizer its options, <kind>_step and Functional<Name> from its traits. Tensor
+// lists come and go as Python
 // lists with None for an undefined tensor (a state not created yet, a missing gradient); the
 // steps return the state lists they filled in.
 #include <ddpx/optim/functional.h>
@@ -32,8 +33,6 @@ template <typename O>
 const char* options_name() {
   if constexpr (std::is_same_v<O, optim::SGDOptions>) return "SGDOptions";
   if constexpr (std::is_same_v<O, optim::AdamOptions>) return "AdamOptions";
-  if constexpr (std::is_same_v<O, optim::AdagradOptions>) return "AdagradOptions";
-  if constexpr (std::is_same_v<O, optim::RMSpropOptions>) return "RMSpropOptions";
   if constexpr (is_elementwise<O>::value) return O::Traits::kOptionsName;
 }
 
@@ -130,7 +129,7 @@ O options_arg(const py::kwargs& kwargs) {
 }
 
 template <typename O>
-void bind_options(py::module& m, const char* doc) {
+py::class_<O> bind_options(py::module& m, const char* doc) {
   py::class_<O> cls(m, options_name<O>(), doc);
   cls.def(py::init([](const py::kwargs& kwargs) { return options_from(O(), kwargs); }))
       .def("_asdict", &options_fields<O>, "The fields as a dict.")
@@ -168,6 +167,7 @@ void bind_options(py::module& m, const char* doc) {
         (std::string("torch's ") + pair.name + ": (" + pair.first + ", " + pair.second + ").")
             .c_str());
   }
+  return cls;
 }
 
 // Per-parameter state dicts from Python: tensor values as they are, a number (torch 1.13's
@@ -231,23 +231,31 @@ void bind_elementwise(py::module& m) {
                 std::string(py::repr(py::cast(value)));
     });
   }
-  bind_options<O>(
+  py::class_<O> options_class = bind_options<O>(
       m, ("torch.optim." + name + "'s hyper-parameters: " + Traits::kOptionsName + "(" + fields +
           "). Validated when built (torch's ValueErrors); immutable; picklable.")
              .c_str());
   std::string state_names;
-  py::tuple state_tuple(Traits::kStates);
-  for (int k = 0; k < Traits::kStates; ++k) {
-    const char* s = Traits::kStateNames[k];
+  for (const char* s : Traits::kStateNames) {
     state_names += std::string(state_names.empty() ? "" : ", ") + s;
-    state_tuple[k] = py::str(s);
   }
   // What ZeRO's step needs to run this optimizer on torch's state: the per-element state's keys
-  // (torch's names, in the step function's order) and the step function's name.
-  py::object options_class = m.attr(Traits::kOptionsName);
-  options_class.attr("state_names") = state_tuple;
+  // that these options keep (torch's names, in the step function's order) and the step
+  // function's name.
+  options_class.def_property_readonly(
+      "state_names",
+      [](const O& o) {
+        py::list names;
+        for (int k = 0; k < Traits::kStates; ++k) {
+          if (optim::elementwise::keeps_state<Traits>(k, o)) names.append(Traits::kStateNames[k]);
+        }
+        return py::tuple(names);
+      },
+      "The per-parameter state these options keep besides step (torch's keys, in the step "
+      "function's order).");
   options_class.attr("step_function") = py::str(std::string(Traits::kKind) + "_step");
-  // The step's arguments from Python: params, grads, the state lists in kStateNames' order.
+  // The step's arguments from Python: params, grads, the state lists in kStateNames' order (an
+  // empty list for a state the options do not keep).
   struct Args {
     std::vector<at::Tensor> params, grads;
     std::vector<std::vector<at::Tensor>> states;
@@ -256,35 +264,48 @@ void bind_elementwise(py::module& m) {
   auto args_of = [](const py::object& params, const py::object& grads, const py::dict& state,
                     const py::kwargs& kwargs) {
     Args a{tensor_list(params, "params"), tensor_list(grads, "grads"), {}, options_arg<O>(kwargs)};
-    for (const char* s : Traits::kStateNames) {
+    size_t kept = 0;
+    for (int k = 0; k < Traits::kStates; ++k) {
+      const char* s = Traits::kStateNames[k];
+      if (!optim::elementwise::keeps_state<Traits>(k, a.options)) {
+        a.states.emplace_back();
+        continue;
+      }
       if (!state.contains(s)) throw py::value_error(std::string("state needs \"") + s + "\"");
       a.states.push_back(tensor_list(state[s], s));
+      ++kept;
     }
-    if (state.size() != static_cast<size_t>(Traits::kStates)) {
-      throw py::value_error(std::string("state holds other keys than ") + Traits::kName + "'s");
+    if (state.size() != kept) {
+      throw py::value_error(std::string("state holds other keys than those ") + Traits::kName +
+                            " keeps with these options");
     }
     return a;
   };
-  m.def(
-      (std::string(Traits::kKind) + "_step").c_str(),
-      [args_of](const py::object& params, const py::object& grads, const py::dict& state,
-                std::vector<int64_t> steps, const py::kwargs& kwargs) {
-        Args a = args_of(params, grads, state, kwargs);
-        {
-          py::gil_scoped_release no_gil;
-          optim::elementwise_step<Traits>(a.params, a.grads, a.states, steps, a.options);
-        }
-        py::dict out;
-        for (int k = 0; k < Traits::kStates; ++k) out[Traits::kStateNames[k]] = to_py(a.states[k]);
-        return py::make_tuple(out, steps);
-      },
-      py::arg("params"), py::arg("grads"), py::arg("state"), py::arg("steps"),
-      (std::string(Traits::kKind) + "_step(params, grads, state, steps, **" + Traits::kOptionsName +
-       " fields or options=" + Traits::kOptionsName + "): one fused " + name +
-       " step of every parameter (torch.optim." + name + "'s formulas). state: {" + state_names +
-       "}, each a list with one entry per parameter, None before its first step; "
-       "steps: per-parameter step counts. Returns (state, steps) after the step.")
-          .c_str());
+  m.def((std::string(Traits::kKind) + "_step").c_str(),
+        [args_of](const py::object& params, const py::object& grads, const py::dict& state,
+                  std::vector<int64_t> steps, const py::kwargs& kwargs) {
+          Args a = args_of(params, grads, state, kwargs);
+          {
+            py::gil_scoped_release no_gil;
+            optim::elementwise_step<Traits>(a.params, a.grads, a.states, steps, a.options);
+          }
+          py::dict out;
+          for (int k = 0; k < Traits::kStates; ++k) {
+            if (optim::elementwise::keeps_state<Traits>(k, a.options)) {
+              out[Traits::kStateNames[k]] = to_py(a.states[k]);
+            }
+          }
+          return py::make_tuple(out, steps);
+        },
+        py::arg("params"), py::arg("grads"), py::arg("state"), py::arg("steps"),
+        (std::string(Traits::kKind) + "_step(params, grads, state, steps, **" +
+         Traits::kOptionsName + " fields or options=" + Traits::kOptionsName + "): one fused " +
+         name + " step of every parameter (torch.optim." + name +
+         "'s formulas, dense gradients). state: {" + state_names +
+         "} (those the options keep: options.state_names), each a list with one entry per "
+         "parameter, None before its first step; "
+         "steps: per-parameter step counts. Returns (state, steps) after the step.")
+            .c_str());
   m.def((std::string(Traits::kKind) + "_step_refusal").c_str(),
         [args_of](const py::object& params, const py::object& grads, const py::dict& state,
                   const std::vector<int64_t>& steps, const py::kwargs& kwargs) -> py::object {
@@ -312,8 +333,9 @@ void bind_elementwise(py::module& m) {
           }),
           py::arg("params"))
       .def("state", &F::state,
-           ("Per-parameter state in torch.optim." + name + "'s layout (step, " + state_names +
-            "; {} before a parameter's first step).")
+           ("Per-parameter state in torch.optim." + name + "'s layout (step and those of " +
+            state_names + " that the options keep; {} before a parameter's first step, unless " +
+            "torch's constructor makes it).")
                .c_str())
       .def(
           "load_state",
@@ -336,17 +358,6 @@ void bind_functional_optim(py::module& m) {
       "AdamOptions(lr=1e-3, betas=(0.9, 0.999) or beta1=, beta2=, eps=1e-8, weight_decay=0, "
       "amsgrad=False, maximize=False, decoupled_weight_decay=False). Validated when built "
       "(torch's ValueErrors); immutable; picklable.");
-  bind_options<optim::AdagradOptions>(
-      m,
-      "torch.optim.Adagrad's hyper-parameters: AdagradOptions(lr=1e-2, lr_decay=0, "
-      "weight_decay=0, initial_accumulator_value=0, eps=1e-10, maximize=False). Validated "
-      "when built (torch's ValueErrors); immutable; picklable.");
-  bind_options<optim::RMSpropOptions>(
-      m,
-      "torch.optim.RMSprop's hyper-parameters: RMSpropOptions(lr=1e-2, alpha=0.99, eps=1e-8, "
-      "weight_decay=0, momentum=0, centered=False, maximize=False). Validated when built "
-      "(torch's ValueErrors); immutable; picklable.");
-
   m.def(
       "sgd_step",
       [](const py::object& params, const py::object& grads, const py::object& momentum_buffers,
@@ -390,52 +401,6 @@ void bind_functional_optim(py::module& m) {
       "lists: one entry per parameter, None before its first step (max_exp_avg_sqs may be [] "
       "without amsgrad); steps: per-parameter step counts. Returns (exp_avgs, exp_avg_sqs, "
       "max_exp_avg_sqs, steps) after the step.");
-  m.def(
-      "adagrad_step",
-      [](const py::object& params, const py::object& grads, const py::object& state_sums,
-         std::vector<int64_t> steps, const py::kwargs& kwargs) {
-        const auto p = tensor_list(params, "params");
-        const auto g = tensor_list(grads, "grads");
-        auto sums = tensor_list(state_sums, "state_sums");
-        const auto opts = options_arg<optim::AdagradOptions>(kwargs);
-        {
-          py::gil_scoped_release no_gil;
-          optim::adagrad_step(p, g, sums, steps, opts);
-        }
-        return py::make_tuple(to_py(sums), steps);
-      },
-      py::arg("params"), py::arg("grads"), py::arg("state_sums"), py::arg("steps"),
-      "adagrad_step(params, grads, state_sums, steps, **AdagradOptions fields or "
-      "options=AdagradOptions): one fused Adagrad step of every parameter (torch.optim.Adagrad's "
-      "formulas, dense gradients). state_sums: one entry per parameter, None before its first "
-      "step (created filled with initial_accumulator_value); steps: per-parameter step counts. "
-      "Returns (state_sums, steps) after the step.");
-  m.def(
-      "rmsprop_step",
-      [](const py::object& params, const py::object& grads, const py::object& square_avgs,
-         const py::object& grad_avgs, const py::object& momentum_buffers,
-         std::vector<int64_t> steps, const py::kwargs& kwargs) {
-        const auto p = tensor_list(params, "params");
-        const auto g = tensor_list(grads, "grads");
-        auto sq = tensor_list(square_avgs, "square_avgs");
-        auto ga = tensor_list(grad_avgs, "grad_avgs");
-        auto bufs = tensor_list(momentum_buffers, "momentum_buffers");
-        const auto opts = options_arg<optim::RMSpropOptions>(kwargs);
-        {
-          py::gil_scoped_release no_gil;
-          optim::rmsprop_step(p, g, sq, ga, bufs, steps, opts);
-        }
-        return py::make_tuple(to_py(sq), to_py(ga), to_py(bufs), steps);
-      },
-      py::arg("params"), py::arg("grads"), py::arg("square_avgs"), py::arg("grad_avgs"),
-      py::arg("momentum_buffers"), py::arg("steps"),
-      "rmsprop_step(params, grads, square_avgs, grad_avgs, momentum_buffers, steps, "
-      "**RMSpropOptions fields or options=RMSpropOptions): one fused RMSprop step of every "
-      "parameter (torch.optim.RMSprop's formulas). State lists: one entry per parameter, None "
-      "before its first step (grad_avgs may be [] unless centered, momentum_buffers [] without "
-      "momentum); steps: per-parameter step counts. Returns (square_avgs, grad_avgs, "
-      "momentum_buffers, steps) after the step.");
-
   py::class_<optim::FunctionalSGD> sgd(
       m, "FunctionalSGD",
       "FunctionalSGD(params, **SGDOptions fields or options=SGDOptions): SGD over a fixed list "
@@ -464,51 +429,6 @@ void bind_functional_optim(py::module& m) {
            "max_exp_avg_sq with amsgrad; {} before a parameter's first step).")
       .def("load_state", &optim::FunctionalAdam::load_state, py::arg("state"));
   bind_functional(adam);
-
-  py::class_<optim::FunctionalAdagrad> adagrad(
-      m, "FunctionalAdagrad",
-      "FunctionalAdagrad(params, **AdagradOptions fields or options=AdagradOptions): Adagrad "
-      "over a fixed list of parameters, holding their state.");
-  adagrad
-      .def(py::init([](const py::object& params, const py::kwargs& kwargs) {
-             return optim::FunctionalAdagrad(tensor_list(params, "params"),
-                                             options_arg<optim::AdagradOptions>(kwargs));
-           }),
-           py::arg("params"))
-      .def("state", &optim::FunctionalAdagrad::state,
-           "Per-parameter state in torch.optim.Adagrad's layout ({'step': t, 'sum': t} for every "
-           "parameter, created in the constructor as torch does).")
-      .def(
-          "load_state",
-          [](optim::FunctionalAdagrad& self, const py::object& state) {
-            self.load_state(param_states(state));
-          },
-          py::arg("state"));
-  bind_functional(adagrad);
-
-  py::class_<optim::FunctionalRMSprop> rmsprop(
-      m, "FunctionalRMSprop",
-      "FunctionalRMSprop(params, **RMSpropOptions fields or options=RMSpropOptions): RMSprop "
-      "over a fixed list of parameters, holding their state.");
-  rmsprop
-      .def(py::init([](const py::object& params, const py::kwargs& kwargs) {
-             return optim::FunctionalRMSprop(tensor_list(params, "params"),
-                                             options_arg<optim::RMSpropOptions>(kwargs));
-           }),
-           py::arg("params"))
-      .def("state", &optim::FunctionalRMSprop::state,
-           "Per-parameter state in torch.optim.RMSprop's layout (step, square_avg, "
-           "momentum_buffer with momentum, grad_avg when centered; {} before a parameter's "
-           "first step).")
-      .def(
-          "load_state",
-          [](optim::FunctionalRMSprop& self, const py::object& state) {
-            self.load_state(param_states(state));
-          },
-          py::arg("state"),
-          "Loads state() or torch.optim.RMSprop's per-parameter state (a number step, as torch "
-          "1.13 keeps it, is taken too).");
-  bind_functional(rmsprop);
 
 #define DDPX_BIND(Name) bind_elementwise<optim::elementwise::Name>(m);
   DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_BIND)

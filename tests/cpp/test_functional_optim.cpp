@@ -15,8 +15,14 @@ namespace {
 
 using ddpx::optim::AdagradOptions;
 using ddpx::optim::AdamOptions;
+using ddpx::optim::elementwise_step;
 using ddpx::optim::RMSpropOptions;
 using ddpx::optim::SGDOptions;
+using ddpx::optim::validate_elementwise;
+using ddpx::optim::elementwise::Adagrad;
+using ddpx::optim::elementwise::RMSprop;
+// elementwise_step's state lists: one per state of the traits, in kStateNames' order.
+using States = std::vector<std::vector<at::Tensor>>;
 
 at::Tensor rand_like_seeded(at::IntArrayRef shape, at::ScalarType dtype, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -162,17 +168,18 @@ TEST_P(FunctionalOptim, AdagradOneStepClosedForm) {
   o.weight_decay = 0.01;
   o.eps = 1e-3;
   o.maximize = true;
-  std::vector<at::Tensor> sums{sum};
+  States st{{sum}};
   std::vector<int64_t> steps{2};
-  ddpx::optim::adagrad_step({p}, {g}, sums, steps, o);
+  elementwise_step<Adagrad>({p}, {g}, st, steps, o);
   EXPECT_EQ(steps[0], 3);
-  EXPECT_EQ(sums[0].data_ptr(), sum.data_ptr());  // updated in place
+  const at::Tensor& sums0 = st[0][0];
+  EXPECT_EQ(sums0.data_ptr(), sum.data_ptr());  // updated in place
   const at::Tensor d = -g0 + 0.01 * p0;
   const at::Tensor sum1 = sum0 + d * d;
   const double clr = 0.1 / (1 + 2 * 0.5);
   const at::Tensor p1 = p0 - clr * d / (sum1.sqrt() + 1e-3);
   const double tol = dt == at::kFloat ? 1e-6 : 1e-14;
-  EXPECT_TRUE(at::allclose(sums[0].to(at::kDouble), sum1, tol, tol));
+  EXPECT_TRUE(at::allclose(sums0.to(at::kDouble), sum1, tol, tol));
   EXPECT_TRUE(at::allclose(p.to(at::kDouble), p1, tol, tol));
 }
 
@@ -184,14 +191,14 @@ TEST_P(FunctionalOptim, AdagradFirstStepCreatesSum) {
   AdagradOptions o;
   o.initial_accumulator_value = 0.25;
   o.eps = 0;
-  std::vector<at::Tensor> sums(1);
+  States st{std::vector<at::Tensor>(1)};
   std::vector<int64_t> steps{0};
-  ddpx::optim::adagrad_step({p}, {g}, sums, steps, o);
-  ASSERT_TRUE(sums[0].defined());
+  elementwise_step<Adagrad>({p}, {g}, st, steps, o);
+  ASSERT_TRUE(st[0][0].defined());
   EXPECT_EQ(steps[0], 1);
   const at::Tensor sum1 = 0.25 + g0 * g0;
   const double tol = dt == at::kFloat ? 1e-6 : 1e-14;
-  EXPECT_TRUE(at::allclose(sums[0].to(at::kDouble), sum1, tol, tol));
+  EXPECT_TRUE(at::allclose(st[0][0].to(at::kDouble), sum1, tol, tol));
   EXPECT_TRUE(at::allclose(p.to(at::kDouble), p0 - 1e-2 * g0 / sum1.sqrt(), tol, tol));
 }
 
@@ -214,9 +221,10 @@ TEST_P(FunctionalOptim, RMSpropOneStepClosedForm) {
       o.weight_decay = 0.1;
       o.momentum = momentum;
       o.centered = centered;
-      std::vector<at::Tensor> sqs{sq}, gas{ga}, bufs{buf};
+      // Every list given: the step must read and write only those these options keep.
+      States st{{sq}, {buf}, {ga}};
       std::vector<int64_t> steps{4};
-      ddpx::optim::rmsprop_step({p}, {g}, sqs, gas, bufs, steps, o);
+      elementwise_step<RMSprop>({p}, {g}, st, steps, o);
       EXPECT_EQ(steps[0], 5);
       const at::Tensor d = g0 + 0.1 * p0;
       const at::Tensor sq1 = 0.9 * sq0 + 0.1 * d * d;
@@ -228,7 +236,7 @@ TEST_P(FunctionalOptim, RMSpropOneStepClosedForm) {
       const double tol = dt == at::kFloat ? 1e-5 : 1e-12;
       const std::string where = std::string("centered ") + (centered ? "1" : "0") + " momentum " +
                                 std::to_string(momentum);
-      EXPECT_TRUE(at::allclose(sqs[0].to(at::kDouble), sq1, tol, tol)) << where;
+      EXPECT_TRUE(at::allclose(sq.to(at::kDouble), sq1, tol, tol)) << where;
       EXPECT_TRUE(at::allclose(ga.to(at::kDouble), ga1, tol, tol)) << where;  // untouched if not
       EXPECT_TRUE(at::allclose(buf.to(at::kDouble), buf1, tol, tol)) << where;
       EXPECT_TRUE(at::allclose(p.to(at::kDouble), p1, tol, tol)) << where;
@@ -245,13 +253,13 @@ TEST_P(FunctionalOptim, RMSpropFirstStepCreatesState) {
   RMSpropOptions o;
   o.eps = 0;
   o.alpha = 0.75;
-  std::vector<at::Tensor> sqs(1), none;
+  States st{std::vector<at::Tensor>(1), {}, {}};
   std::vector<int64_t> steps{0};
-  ddpx::optim::rmsprop_step({p}, {g}, sqs, none, none, steps, o);
-  ASSERT_TRUE(sqs[0].defined());
-  EXPECT_TRUE(none.empty());
+  elementwise_step<RMSprop>({p}, {g}, st, steps, o);
+  ASSERT_TRUE(st[0][0].defined());
+  EXPECT_TRUE(st[1].empty() && st[2].empty());  // states not kept are not created
   const double tol = dt == at::kFloat ? 1e-6 : 1e-14;
-  EXPECT_TRUE(at::allclose(sqs[0].to(at::kDouble), 0.25 * g0 * g0, tol, tol));
+  EXPECT_TRUE(at::allclose(st[0][0].to(at::kDouble), 0.25 * g0 * g0, tol, tol));
   EXPECT_TRUE(at::allclose(p.to(at::kDouble), p0 - 1e-2 * g0.sign() / 0.5, tol, tol));
 }
 
@@ -406,26 +414,26 @@ TEST(FunctionalOptimErrors, Options) {
 TEST(FunctionalOptimErrors, AdagradRMSpropOptions) {
   AdagradOptions a;
   a.lr_decay = -1;
-  expect_error<c10::ValueError>([&] { a.validate(); }, "Invalid lr_decay value: -1");
+  expect_error<c10::ValueError>([&] { validate_elementwise(a); }, "Invalid lr_decay value: -1");
   a = AdagradOptions();
   a.initial_accumulator_value = -0.5;
-  expect_error<c10::ValueError>([&] { a.validate(); },
+  expect_error<c10::ValueError>([&] { validate_elementwise(a); },
                                 "Invalid initial_accumulator_value value: -0.5");
   a = AdagradOptions();
   a.eps = std::nan("");
-  expect_error<c10::ValueError>([&] { a.validate(); }, "Invalid epsilon value: nan");
-  EXPECT_NO_THROW(AdagradOptions().validate());
+  expect_error<c10::ValueError>([&] { validate_elementwise(a); }, "Invalid epsilon value: nan");
+  EXPECT_NO_THROW(validate_elementwise(AdagradOptions()));
   RMSpropOptions r;
   r.alpha = -0.1;
-  expect_error<c10::ValueError>([&] { r.validate(); }, "Invalid alpha value: -0.1");
+  expect_error<c10::ValueError>([&] { validate_elementwise(r); }, "Invalid alpha value: -0.1");
   r = RMSpropOptions();
   r.momentum = -1;
-  expect_error<c10::ValueError>([&] { r.validate(); }, "Invalid momentum value: -1");
+  expect_error<c10::ValueError>([&] { validate_elementwise(r); }, "Invalid momentum value: -1");
   r = RMSpropOptions();
   r.lr = -1;
   r.eps = -1;  // torch checks lr first
-  expect_error<c10::ValueError>([&] { r.validate(); }, "Invalid learning rate: -1");
-  EXPECT_NO_THROW(RMSpropOptions().validate());
+  expect_error<c10::ValueError>([&] { validate_elementwise(r); }, "Invalid learning rate: -1");
+  EXPECT_NO_THROW(validate_elementwise(RMSpropOptions()));
   // The constructors validate too.
   expect_error<c10::ValueError>([&] { ddpx::optim::FunctionalRMSprop({at::zeros({2})}, r); },
                                 "Invalid learning rate");
@@ -433,32 +441,31 @@ TEST(FunctionalOptimErrors, AdagradRMSpropOptions) {
 
 TEST(FunctionalOptimErrors, AdagradRMSpropTensors) {
   const at::Tensor p = at::zeros({4, 4});
-  std::vector<at::Tensor> sums(1), none;
+  States sums{std::vector<at::Tensor>(1)};
   std::vector<int64_t> steps{0};
   // Dense gradients only: torch's Adagrad would take this sparse one, ddpx refuses it clearly.
   expect_error<c10::Error>(
       [&] {
-        ddpx::optim::adagrad_step({p}, {at::ones({4, 4}).to_sparse()}, sums, steps, {});
+        elementwise_step<Adagrad>({p}, {at::ones({4, 4}).to_sparse()}, sums, steps, {});
       },
       "grads[0] must be dense, got layout Sparse");
-  EXPECT_FALSE(sums[0].defined());  // nothing created by a failed call
+  EXPECT_FALSE(sums[0][0].defined());  // nothing created by a failed call
   EXPECT_EQ(steps[0], 0);
   steps[0] = 3;
-  expect_error<c10::ValueError>([&] { ddpx::optim::adagrad_step({p}, {p}, sums, steps, {}); },
-                                "has no sum but step 3");
-  std::vector<at::Tensor> sqs{at::zeros({4, 4})};
+  expect_error<c10::ValueError>([&] { elementwise_step<Adagrad>({p}, {p}, sums, steps, {}); },
+                                "params[0] has step 3 but no state");
   RMSpropOptions centered;
   centered.centered = true;
-  std::vector<at::Tensor> gas(1);
+  States part{{at::zeros({4, 4})}, {}, std::vector<at::Tensor>(1)};
+  expect_error<c10::ValueError>([&] { elementwise_step<RMSprop>({p}, {p}, part, steps, centered); },
+                                "part of its state only");
+  States no_grad_avg{{at::zeros({4, 4})}, {}, {}};
   expect_error<c10::ValueError>(
-      [&] { ddpx::optim::rmsprop_step({p}, {p}, sqs, gas, none, steps, centered); },
-      "part of its state only");
-  expect_error<c10::ValueError>(
-      [&] { ddpx::optim::rmsprop_step({p}, {p}, sqs, none, none, steps, centered); },
-      "grad_avgs has 0 entries but params has 1");
-  std::vector<at::Tensor> bad{at::zeros({4})};
-  expect_error<c10::Error>([&] { ddpx::optim::rmsprop_step({p}, {p}, bad, none, none, steps, {}); },
-                           "square_avgs[0] has shape [4] but params[0] has shape [4, 4]");
+      [&] { elementwise_step<RMSprop>({p}, {p}, no_grad_avg, steps, centered); },
+      "grad_avg has 0 entries but params has 1");
+  States bad{{at::zeros({4})}, {}, {}};
+  expect_error<c10::Error>([&] { elementwise_step<RMSprop>({p}, {p}, bad, steps, {}); },
+                           "square_avg[0] has shape [4] but params[0] has shape [4, 4]");
   ddpx::optim::FunctionalRMSprop r({p}, RMSpropOptions());
   expect_error<c10::ValueError>(
       [&] {

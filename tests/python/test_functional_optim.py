@@ -280,35 +280,43 @@ def test_adagrad_rmsprop_step_functions_match_classes(dtype):
     kw = dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.25)
     ps_a, ps_b = make_params(dtype), make_params(dtype)
     cls = C.FunctionalAdagrad(ps_b, **kw)
-    sums, steps = [None] * len(ps_a), [0] * len(ps_a)
+    state, steps = {"sum": [None] * len(ps_a)}, [0] * len(ps_a)
     grads = grads_for(ps_a, 0)
-    sums, steps = C.adagrad_step(ps_a, grads, sums, steps, **kw)
+    state, steps = C.adagrad_step(ps_a, grads, state, steps, **kw)
     cls.step(grads)
     assert steps == [1] * len(ps_a)
     for step in range(1, 5):
         grads = grads_for(ps_a, step)
-        sums, steps = C.adagrad_step(ps_a, grads, sums, steps, **kw)
+        state, steps = C.adagrad_step(ps_a, grads, state, steps, **kw)
         cls.step(grads)
     assert steps == [5] * len(ps_a)
-    for a, b, s, st in zip(ps_a, ps_b, sums, cls.state()):
+    for a, b, s, st in zip(ps_a, ps_b, state["sum"], cls.state()):
         assert torch.equal(a, b) and torch.equal(s, st["sum"]) and st["step"].item() == 5
 
     kw = dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1)
     ps_a, ps_b = make_params(dtype), make_params(dtype)
     cls = C.FunctionalRMSprop(ps_b, **kw)
-    sq = ga = bufs = [None] * len(ps_a)
+    assert C.RMSpropOptions(**kw).state_names == ("square_avg", "momentum_buffer", "grad_avg")
+    state = {k: [None] * len(ps_a) for k in C.RMSpropOptions(**kw).state_names}
     steps = [0] * len(ps_a)
     for step in range(5):
         grads = grads_for(ps_a, step)
-        sq, ga, bufs, steps = C.rmsprop_step(ps_a, grads, sq, ga, bufs, steps, **kw)
+        state, steps = C.rmsprop_step(ps_a, grads, state, steps, **kw)
         cls.step(grads)
     assert steps == [5] * len(ps_a)
-    for a, b, s, g, m, st in zip(ps_a, ps_b, sq, ga, bufs, cls.state()):
-        assert torch.equal(a, b) and torch.equal(s, st["square_avg"])
-        assert torch.equal(g, st["grad_avg"]) and torch.equal(m, st["momentum_buffer"])
-    # Without centered and momentum, grad_avgs and momentum_buffers may be empty.
-    sq, ga, bufs, steps = C.rmsprop_step(ps_a, grads_for(ps_a, 5), [None] * 3, [], [], [0] * 3)
-    assert ga == [] and bufs == [] and steps == [1] * 3 and all(s is not None for s in sq)
+    for i, (a, b, st) in enumerate(zip(ps_a, ps_b, cls.state())):
+        assert torch.equal(a, b)
+        for k in ("square_avg", "grad_avg", "momentum_buffer"):
+            assert torch.equal(state[k][i], st[k])
+    # Without centered and momentum, only square_avg is kept: the state holds only it, and the
+    # other keys are refused (torch's state has none).
+    assert C.RMSpropOptions().state_names == ("square_avg",)
+    state, steps = C.rmsprop_step(ps_a, grads_for(ps_a, 5), {"square_avg": [None] * 3}, [0] * 3)
+    assert list(state) == ["square_avg"] and steps == [1] * 3
+    assert all(s is not None for s in state["square_avg"])
+    with pytest.raises(ValueError, match="other keys than those RMSprop keeps"):
+        C.rmsprop_step(ps_a, grads_for(ps_a, 5), {"square_avg": [None] * 3,
+                                                  "grad_avg": [None] * 3}, [0] * 3)
 
 
 def test_first_momentum_step_is_the_gradient():
@@ -429,7 +437,7 @@ def test_load_torch_state(name):
 def test_load_state_errors():
     ps = make_params(torch.float32)
     opt = C.FunctionalRMSprop(ps, momentum=0.9)
-    with pytest.raises(ValueError, match=r"state\[0\] needs \"momentum_buffer\" with momentum"):
+    with pytest.raises(ValueError, match=r"state\[0\] needs \"momentum_buffer\""):
         opt.load_state([{"step": 3, "square_avg": torch.zeros_like(ps[0])}, {}, {}])
     with pytest.raises(ValueError, match=r"state\[0\] has no \"step\""):
         opt.load_state([{"square_avg": torch.zeros_like(ps[0])}, {}, {}])
@@ -506,7 +514,7 @@ def test_adam_invalid_options(kw, msg):
 ])
 def test_adagrad_invalid_options(kw, msg):
     p = torch.zeros(3)
-    for call in (lambda: C.adagrad_step([p], [p.clone()], [None], [0], **kw),
+    for call in (lambda: C.adagrad_step([p], [p.clone()], {"sum": [None]}, [0], **kw),
                  lambda: C.FunctionalAdagrad([p], **kw)):
         with pytest.raises(ValueError, match=msg):
             call()
@@ -524,7 +532,7 @@ def test_adagrad_invalid_options(kw, msg):
 ])
 def test_rmsprop_invalid_options(kw, msg):
     p = torch.zeros(3)
-    for call in (lambda: C.rmsprop_step([p], [p.clone()], [None], [], [], [0], **kw),
+    for call in (lambda: C.rmsprop_step([p], [p.clone()], {"square_avg": [None]}, [0], **kw),
                  lambda: C.FunctionalRMSprop([p], **kw)):
         with pytest.raises(ValueError, match=msg):
             call()
@@ -536,34 +544,38 @@ def test_adagrad_rmsprop_bad_input():
     p = torch.zeros(4, 4)
     # Dense gradients only (torch's Adagrad takes sparse ones; its RMSprop refuses them too).
     with pytest.raises(RuntimeError, match=r"grads\[0\] must be dense, got layout Sparse"):
-        C.adagrad_step([p], [torch.ones(4, 4).to_sparse()], [None], [0])
+        C.adagrad_step([p], [torch.ones(4, 4).to_sparse()], {"sum": [None]}, [0])
     with pytest.raises(RuntimeError, match=r"grads\[0\] must be dense"):
         C.FunctionalRMSprop([p]).step([torch.ones(4, 4).to_sparse()])
-    with pytest.raises(ValueError, match="state_sums has 0 entries but params has 1"):
-        C.adagrad_step([p], [p.clone()], [], [0])
-    with pytest.raises(ValueError, match="has no sum but step 2"):
-        C.adagrad_step([p], [p.clone()], [None], [2])
-    with pytest.raises(RuntimeError, match=r"state_sums\[0\] has dtype Double"):
-        C.adagrad_step([p], [p.clone()], [torch.zeros(4, 4, dtype=torch.float64)], [1])
-    with pytest.raises(ValueError, match="grad_avgs has 0 entries but params has 1"):
-        C.rmsprop_step([p], [p.clone()], [None], [], [], [0], centered=True)
-    with pytest.raises(ValueError, match="momentum_buffers has 0 entries but params has 1"):
-        C.rmsprop_step([p], [p.clone()], [None], [], [], [0], momentum=0.5)
+    with pytest.raises(ValueError, match="sum has 0 entries but params has 1"):
+        C.adagrad_step([p], [p.clone()], {"sum": []}, [0])
+    with pytest.raises(ValueError, match=r"params\[0\] has step 2 but no state"):
+        C.adagrad_step([p], [p.clone()], {"sum": [None]}, [2])
+    with pytest.raises(RuntimeError, match=r"sum\[0\] has dtype Double"):
+        C.adagrad_step([p], [p.clone()], {"sum": [torch.zeros(4, 4, dtype=torch.float64)]}, [1])
+    with pytest.raises(ValueError, match='state needs "grad_avg"'):
+        C.rmsprop_step([p], [p.clone()], {"square_avg": [None]}, [0], centered=True)
+    with pytest.raises(ValueError, match="momentum_buffer has 0 entries but params has 1"):
+        C.rmsprop_step([p], [p.clone()], {"square_avg": [None], "momentum_buffer": []}, [0],
+                       momentum=0.5)
     with pytest.raises(ValueError, match="part of its state only"):
-        C.rmsprop_step([p], [p.clone()], [torch.zeros(4, 4)], [None], [], [3], centered=True)
-    with pytest.raises(ValueError, match="part of its state only"):
-        C.rmsprop_step([p], [p.clone()], [None], [], [], [3])
+        C.rmsprop_step([p], [p.clone()], {"square_avg": [torch.zeros(4, 4)], "grad_avg": [None]},
+                       [3], centered=True)
+    with pytest.raises(ValueError, match="has step 3 but no state"):
+        C.rmsprop_step([p], [p.clone()], {"square_avg": [None]}, [3])
     with pytest.raises(RuntimeError, match=r"only float32 and float64 are supported"):
         C.FunctionalAdagrad([p.half()])
     with pytest.raises(RuntimeError, match=r"params\[0\] must be contiguous"):
-        C.rmsprop_step([p.t()], [p.clone()], [None], [], [], [0])
+        C.rmsprop_step([p.t()], [p.clone()], {"square_avg": [None]}, [0])
     # Nothing was written by a call that failed on its second tensor.
     q = torch.ones(3)
     with pytest.raises(RuntimeError):
-        C.adagrad_step([q, p], [torch.ones(3), torch.zeros(4)], [None, None], [0, 0], lr=1.0)
+        C.adagrad_step([q, p], [torch.ones(3), torch.zeros(4)], {"sum": [None, None]}, [0, 0],
+                       lr=1.0)
     assert torch.equal(q, torch.ones(3))
     with pytest.raises(RuntimeError):
-        C.rmsprop_step([q, p], [torch.ones(3), torch.zeros(4)], [None, None], [], [], [0, 0])
+        C.rmsprop_step([q, p], [torch.ones(3), torch.zeros(4)], {"square_avg": [None, None]},
+                       [0, 0])
     assert torch.equal(q, torch.ones(3))
 
 

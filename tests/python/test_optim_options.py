@@ -230,8 +230,13 @@ FUSED_CASES = [
     (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), [True] * 3),
     (torch.optim.Adam, dict(lr=1e-2, amsgrad=True), [True] * 3),
     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), [True] * 3),
-    (torch.optim.RMSprop, dict(lr=1e-2), [False] * 3),  # a C++ form, but no ZeRO step
-    # The elementwise optimizers: torch's first step makes the state, ddpx's steps after it.
+    # The elementwise optimizers: torch's first step makes the state, ddpx's steps after it
+    # (Adagrad's constructor makes it: ddpx's from the first step).
+    (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
+     [True] * 3),
+    (torch.optim.RMSprop, dict(lr=1e-2), [False, True, True]),
+    (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.9, centered=True, weight_decay=0.1),
+     [False, True, True]),
     (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1), [False, True, True]),
     (torch.optim.Adamax, dict(lr=1e-2, maximize=True), [False, True, True]),
     (torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1), [False, True, True]),

@@ -16,6 +16,7 @@ test reading it fails with that traceback while the others still pass.
 
 ddpx is imported lazily (zero_cls), so that the torch run works without ddpx's class.
 """
+import contextlib
 import copy
 import os
 import traceback
@@ -59,7 +60,7 @@ OPTS: Dict[str, Tuple[type, Dict[str, Any]]] = {
                                                amsgrad=True)),
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=5e-2)),
     "adamw_amsgrad_maximize": (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True, maximize=True)),
-    # run through the wrapped optimizer's own step() by ddpx
+    # elementwise: ddpx's C++ step from torch's state (Adagrad's from the first step)
     "rmsprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
     "adagrad": (torch.optim.Adagrad, dict(lr=0.05)),
 }
@@ -67,15 +68,50 @@ OPTS: Dict[str, Tuple[type, Dict[str, Any]]] = {
 # The optimizers ddpx steps with its own fused C++ kernels: there its results may differ from
 # torch's by rounding (bounded by FUSED_RTOL relative to the largest |value|); every other
 # optimizer runs its own step() and must give torch's results bit for bit.
-FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+         torch.optim.RMSprop)
 FUSED_RTOL = 1e-6
+# Centered RMSprop divides by sqrt(square_avg - grad_avg**2), a difference of near-equal numbers
+# that amplifies rounding. torch 2.x's CPU sqrt is not always correctly rounded (ddpx's is; with a
+# correctly rounded sqrt torch's steps equal ddpx's bit for bit: test_functional_optim's bitwise
+# tests), and its 1-ulp differences grow to 1.5e-6 within 4-5 steps of these cases.
+CENTERED_RMSPROP_RTOL = 5e-6
+
+
+
+@contextlib.contextmanager
+def exact_sqrt():
+    """torch.Tensor.sqrt / sqrt_ correctly rounded (numpy's) inside, as ddpx's kernels and torch
+    1.13 compute it (pip's torch 2.x CPU sqrt is 1 ulp off for some float32 values). For cases
+    whose problem amplifies that noise past any useful tolerance: there RMSprop's first step near
+    a zero gradient (g / (sqrt(0.01 g**2) + eps) turns from g / eps to sign(g) / 0.1 around
+    |g| = 1e-7) makes a 3e-8 difference upstream a 5e-5 one."""
+    import numpy as np
+
+    def sqrt(t):
+        return torch.from_numpy(np.sqrt(t.numpy()))
+
+    def sqrt_(t):
+        return t.copy_(sqrt(t))
+
+    old = torch.Tensor.sqrt, torch.Tensor.sqrt_
+    torch.Tensor.sqrt, torch.Tensor.sqrt_ = sqrt, sqrt_
+    try:
+        yield
+    finally:
+        torch.Tensor.sqrt, torch.Tensor.sqrt_ = old
+
+
+def fused_rtol(opt: str) -> float:
+    """The rel_err allowed between ddpx's fused step of optimizer `opt` and torch's."""
+    return CENTERED_RMSPROP_RTOL if OPTS[opt][1].get("centered") else FUSED_RTOL
 
 
 def tolerance(opt: str, impl: Optional[str] = None) -> float:
     """The largest rel_err allowed between the implementation and torch for optimizer `opt`: 0
     (bit for bit) unless ddpx runs it through its fused kernels."""
     cls = OPTS[opt][0]
-    return FUSED_RTOL if (impl or IMPL) != "torch" and cls in FUSED else 0.0
+    return fused_rtol(opt) if (impl or IMPL) != "torch" and cls in FUSED else 0.0
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-// Functional optimizers: SGD, Adam, AdamW, Adagrad and RMSprop as fused multi-tensor steps over a
+// Functional optimizers: SGD, Adam, AdamW and the elementwise optimizers (Adadelta, Adagrad,
+// Adamax, RAdam, RMSprop, Rprop) as fused multi-tensor steps over a
 // list of tensors (one call updates a whole shard), for the overlapped ZeRO step and the
 // distributed optimizers. Results follow torch.optim's single-tensor implementation (foreach=False,
 // torch's CPU default) of the torch ddpx was built against, operation by operation, with
@@ -71,57 +72,19 @@ struct AdamOptions {
   }
 };
 
-// torch.optim.Adagrad's hyper-parameters; validate() raises torch's ValueErrors.
-struct AdagradOptions {
-  double lr = 1e-2;                      // >= 0
-  double lr_decay = 0;                   // >= 0; step t uses lr / (1 + (t - 1) * lr_decay)
-  double weight_decay = 0;               // >= 0; L2 penalty added to the gradient
-  double initial_accumulator_value = 0;  // >= 0; what each element of "sum" starts from
-  double eps = 1e-10;                    // >= 0; added to sqrt(sum)
-  bool maximize = false;                 // ascend instead of descend
-  // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
-  void validate() const;
-  // Calls f(name, field) for every field, named as torch's constructor argument.
-  template <typename F>
-  void for_each_field(F&& f) {
-    f("lr", lr), f("lr_decay", lr_decay), f("weight_decay", weight_decay);
-    f("initial_accumulator_value", initial_accumulator_value), f("eps", eps);
-    f("maximize", maximize);
-  }
-};
-
-// torch.optim.RMSprop's hyper-parameters; validate() raises torch's ValueErrors.
-struct RMSpropOptions {
-  double lr = 1e-2;         // >= 0
-  double alpha = 0.99;      // >= 0; smoothing constant of square_avg (and grad_avg)
-  double eps = 1e-8;        // >= 0; added to the root of the (centered) mean square
-  double weight_decay = 0;  // >= 0; L2 penalty added to the gradient
-  double momentum = 0;      // >= 0; > 0: keep a momentum buffer
-  bool centered = false;    // normalise by the variance estimate (keeps grad_avg)
-  bool maximize = false;    // ascend instead of descend
-  // Raises torch's ValueError (c10::ValueError) naming an argument out of range.
-  void validate() const;
-  // Calls f(name, field) for every field, named as torch's constructor argument.
-  template <typename F>
-  void for_each_field(F&& f) {
-    f("lr", lr), f("alpha", alpha), f("eps", eps), f("weight_decay", weight_decay);
-    f("momentum", momentum), f("centered", centered), f("maximize", maximize);
-  }
-};
-
-// Every elementwise optimizer's options in ddpx::optim too: AdadeltaOptions, AdamaxOptions,
-// RAdamOptions, RpropOptions (torch.optim.Adadelta's, ...; elementwise/adadelta.h, ...).
+// Every elementwise optimizer's options in ddpx::optim too: AdadeltaOptions, AdagradOptions,
+// AdamaxOptions, RAdamOptions, RMSpropOptions, RpropOptions (torch.optim.Adadelta's, ...;
+// elementwise/adadelta.h, ...).
 #define DDPX_ELEMENTWISE_OPTIONS_NAME(Name) using elementwise::Name##Options;
 DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_ELEMENTWISE_OPTIONS_NAME)
 #undef DDPX_ELEMENTWISE_OPTIONS_NAME
 
 // The hyper-parameters of any optimizer with a C++ form: the type says which (AdamOptions with
-// decoupled_weight_decay is AdamW; the elementwise optimizers' options after the four).
-using OptimizerOptions = elementwise::detail::VariantWithOptions<SGDOptions, AdamOptions,
-                                                                 AdagradOptions, RMSpropOptions>;
+// decoupled_weight_decay is AdamW; the elementwise optimizers' options after the two).
+using OptimizerOptions = elementwise::detail::VariantWithOptions<SGDOptions, AdamOptions>;
 
-// The torch.optim class `options` stand for, in lower case: "sgd", "adam", "adamw", "adagrad",
-// "rmsprop", or an elementwise optimizer's Traits::kKind ("adamax", ...).
+// The torch.optim class `options` stand for, in lower case: "sgd", "adam", "adamw", or an
+// elementwise optimizer's Traits::kKind ("adagrad", "rmsprop", ...).
 const char* optimizer_kind(const OptimizerOptions& options);
 
 // Raises torch's ValueError (c10::ValueError) for the first value of an elementwise optimizer's
@@ -145,30 +108,13 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                std::vector<at::Tensor>& max_exp_avg_sqs, std::vector<int64_t>& steps,
                const AdamOptions& opts);
 
-// One Adagrad step of every params[i] with grads[i] (dense gradients only). state_sums and steps
-// must have params.size() entries. An undefined sum is created as torch.optim.Adagrad's
-// constructor creates it, filled with initial_accumulator_value (its step must then be 0).
-// steps[i] counts params[i]'s steps, as torch's state["step"]; this call increments it before
-// using it (for the decayed learning rate).
-void adagrad_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                  std::vector<at::Tensor>& state_sums, std::vector<int64_t>& steps,
-                  const AdagradOptions& opts);
-
-// One RMSprop step of every params[i] with grads[i] (dense gradients only). square_avgs and
-// steps must have params.size() entries, grad_avgs too when centered and momentum_buffers with
-// momentum > 0 (either may be empty otherwise). Undefined state entries are created as zeros, as
-// torch does on a parameter's first step (their step must then be 0). steps[i] counts
-// params[i]'s steps, as torch's state["step"]; this call increments it.
-void rmsprop_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                  std::vector<at::Tensor>& square_avgs, std::vector<at::Tensor>& grad_avgs,
-                  std::vector<at::Tensor>& momentum_buffers, std::vector<int64_t>& steps,
-                  const RMSpropOptions& opts);
-
 // One step of an elementwise optimizer (ddpx/optim/elementwise/all.h) of every params[i] with
-// grads[i]: states[k][i] is params[i]'s state Traits::kStateNames[k] (every states[k] has
-// params.size() entries; undefined entries are created as Traits::initial_state, as torch does
-// on a parameter's first step, whose step must then be 0). steps[i] counts params[i]'s steps,
-// as torch's state["step"]; this call increments it before using it.
+// grads[i] (dense gradients only): states[k][i] is params[i]'s state Traits::kStateNames[k].
+// Every states[k] of a state the options keep (elementwise::keeps_state) has params.size()
+// entries; undefined entries are created as Traits::initial_state, as torch does on a
+// parameter's first step (Adagrad: in its constructor), whose step must then be 0. The list of
+// a state not kept is ignored (it may be empty). steps[i] counts params[i]'s steps, as torch's
+// state["step"]; this call increments it before using it.
 template <typename Traits>
 void elementwise_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                       std::vector<std::vector<at::Tensor>>& states, std::vector<int64_t>& steps,
@@ -184,10 +130,9 @@ void elementwise_check(const std::vector<at::Tensor>& params, const std::vector<
 
 // One parameter's state in torch.optim's state_dict layout: "momentum_buffer" (SGD), or
 // "step" (a 0-dim float32 tensor, as torch stores it) with "exp_avg", "exp_avg_sq" and, with
-// amsgrad, "max_exp_avg_sq" (Adam, AdamW); with "sum" (Adagrad); with "square_avg",
-// "momentum_buffer" when momentum > 0 and "grad_avg" when centered (RMSprop; torch 1.13 keeps
-// this step as a Python int). Empty for a parameter never stepped (Adagrad: never empty, torch
-// creates its state in the constructor).
+// amsgrad, "max_exp_avg_sq" (Adam, AdamW); for an elementwise optimizer "step" with the states
+// its options keep, under Traits::kStateNames. Empty for a parameter never stepped (Adagrad:
+// never empty, torch creates its state in the constructor).
 using ParamState = std::map<std::string, at::Tensor>;
 
 // An SGD over a fixed list of parameters, holding their state (ZeRO's shard, an RPC worker's
@@ -235,54 +180,11 @@ class FunctionalAdam {
   std::vector<int64_t> steps_;
 };
 
-// Adagrad over a fixed list of parameters; as FunctionalSGD. Like torch.optim.Adagrad, creates
-// every parameter's state in the constructor (step 0, sum filled with
-// initial_accumulator_value), so state() lists every parameter from the start.
-class FunctionalAdagrad {
- public:
-  // Validates `opts`; shares the storage of `params`. step() as FunctionalSGD's; params()
-  // and options() are the constructor's; state() copies each parameter's state in torch.optim's
-  // layout.
-  FunctionalAdagrad(std::vector<at::Tensor> params, AdagradOptions opts);
-  void step(const std::vector<at::Tensor>& grads);
-  const std::vector<at::Tensor>& params() const { return params_; }
-  const AdagradOptions& options() const { return opts_; }
-  std::vector<ParamState> state() const;
-  // An empty entry gives its parameter the constructor's fresh state.
-  void load_state(const std::vector<ParamState>& state);
-
- private:
-  std::vector<at::Tensor> params_;
-  AdagradOptions opts_;
-  std::vector<at::Tensor> sums_;
-  std::vector<int64_t> steps_;
-};
-
-// RMSprop over a fixed list of parameters; as FunctionalSGD.
-class FunctionalRMSprop {
- public:
-  // Validates `opts`; shares the storage of `params`. step() as FunctionalSGD's; params()
-  // and options() are the constructor's; state() / load_state() copy each parameter's state in
-  // torch.optim's layout.
-  FunctionalRMSprop(std::vector<at::Tensor> params, RMSpropOptions opts);
-  void step(const std::vector<at::Tensor>& grads);
-  const std::vector<at::Tensor>& params() const { return params_; }
-  const RMSpropOptions& options() const { return opts_; }
-  std::vector<ParamState> state() const;
-  void load_state(const std::vector<ParamState>& state);
-
- private:
-  std::vector<at::Tensor> params_;
-  RMSpropOptions opts_;
-  std::vector<at::Tensor> square_avgs_;
-  std::vector<at::Tensor> grad_avgs_;
-  std::vector<at::Tensor> momentum_buffers_;
-  std::vector<int64_t> steps_;
-};
-
 // An elementwise optimizer (Traits from ddpx/optim/elementwise/all.h) over a fixed list of
 // parameters; as FunctionalSGD. Its state is "step" (a 0-dim float32 tensor, as torch stores it)
-// and Traits::kStateNames, created on a parameter's first step.
+// and the Traits::kStateNames its options keep, created on a parameter's first step, or in the
+// constructor where torch's constructor creates it (Adagrad: state() then lists every parameter
+// from the start, and load_state() gives an empty entry the constructor's fresh state).
 template <typename Traits>
 class FunctionalElementwise {
  public:
@@ -296,14 +198,18 @@ class FunctionalElementwise {
   void load_state(const std::vector<ParamState>& state);
 
  private:
+  // Fills params_[i]'s states in `states` as torch makes them (Traits::initial_state).
+  void fresh_state(size_t i, std::vector<std::vector<at::Tensor>>& states) const;
+
   std::vector<at::Tensor> params_;
   Options opts_;
   std::vector<std::vector<at::Tensor>> states_;  // [k][i]: params_[i]'s state kStateNames[k]
   std::vector<int64_t> steps_;
 };
 
-// Every elementwise optimizer's functional class: FunctionalAdadelta, FunctionalAdamax,
-// FunctionalRAdam, FunctionalRprop (torch.optim.Adadelta, ...).
+// Every elementwise optimizer's functional class: FunctionalAdadelta, FunctionalAdagrad,
+// FunctionalAdamax, FunctionalRAdam, FunctionalRMSprop, FunctionalRprop (torch.optim.Adadelta,
+// ...).
 #define DDPX_FUNCTIONAL_ELEMENTWISE_NAME(Name) \
   using Functional##Name = FunctionalElementwise<elementwise::Name>;
 DDPX_ELEMENTWISE_OPTIMIZERS(DDPX_FUNCTIONAL_ELEMENTWISE_NAME)

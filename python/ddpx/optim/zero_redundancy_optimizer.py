@@ -530,7 +530,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fused_step(self, subset: Optional[List[int]] = None) -> bool:
         """The fused update-and-exchange for SGD / Adam / AdamW, and ddpx's step then the exchange
-        for the elementwise optimizers (Adadelta, Adamax, RAdam, Rprop). False, having done nothing,
+        for the elementwise optimizers (Adadelta, Adagrad, Adamax, RAdam, RMSprop, Rprop). False,
+        having done nothing,
         where the local optimizer's own step must run: another class, an option the kernels lack
         (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
         tensors they cannot take (dtype, layout, shapes)."""
@@ -551,7 +552,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return self._fused_adam(options, subset)
         if hasattr(options[0], "step_function"):  # an elementwise optimizer's traits
             return self._elementwise_step(options, subset)
-        return False  # a C++ form (Adagrad, RMSprop) without a ZeRO step yet
+        return False
 
     def _elementwise_step(self, options: list, subset: Optional[List[int]]) -> bool:
         """ddpx's step of an elementwise optimizer (its traits: the options' ``state_names`` and
@@ -561,7 +562,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         refuse any group's tensors (``<kind>_step_refusal``: dtype, device, layout, shapes),
         asked for every group before any is stepped."""
         optim = self.optim
-        names = type(options[0]).state_names
         step = getattr(_C, type(options[0]).step_function)
         refusal = getattr(_C, type(options[0]).step_function + "_refusal")
         work = []
@@ -570,6 +570,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             states = [optim.state[p] for p in params]
             if not params:
                 continue
+            names = o.state_names  # the states this group's options keep (RMSprop: momentum...)
             if any("step" not in st or not all(isinstance(st.get(k), torch.Tensor)
                                                for k in names) for st in states):
                 return False

@@ -53,7 +53,7 @@ struct Adadelta {
   };
   // The same formulas in torch 1.13 and 2.x; the step count is not used.
   template <typename T>
-  static Coeffs<T> coeffs(const Options& o, int64_t /*step*/, bool /*torch2*/) {
+  static Coeffs<T> coeffs(const Options& o, int64_t /*step*/, int /*torch_version*/) {
     Coeffs<T> c;
     c.neg_lr = static_cast<T>(-o.lr);
     c.rho = static_cast<T>(o.rho);

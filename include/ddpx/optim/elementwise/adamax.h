@@ -52,10 +52,12 @@ struct Adamax {
     T neg_clr, beta1, one_minus_beta1, lerp_small, beta2, eps, weight_decay;  // see coeffs()
     T has_weight_decay, maximize, lerp;  // flags as 0/1 of the element type
   };
-  // step: this update's count (torch's state["step"] after its increment); torch2: torch 2.x's
+  // step: this update's count (torch's state["step"] after its increment); torch_version:
+  // torch's major * 100 + minor, from 200 on torch 2.x's
   // formulas (exp_avg.lerp_), else 1.13's (exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)).
   template <typename T>
-  static Coeffs<T> coeffs(const Options& o, int64_t step, bool torch2) {
+  static Coeffs<T> coeffs(const Options& o, int64_t step, int torch_version) {
+    const bool torch2 = torch_version >= 200;
     Coeffs<T> c;
     c.neg_clr = static_cast<T>(-(o.lr / (1.0 - pow(o.beta1, static_cast<double>(step)))));
     c.beta1 = static_cast<T>(o.beta1);

@@ -10,19 +10,53 @@
 // (tests/python/test_elementwise_optim.py).
 #pragma once
 
+#include <type_traits>
 #include <variant>
 
 #include "adadelta.h"
+#include "adagrad.h"
 #include "adamax.h"
 #include "radam.h"
+#include "rmsprop.h"
 #include "rprop.h"
 
 // X(Name) for every elementwise optimizer, whose traits are ddpx::optim::elementwise::Name.
-#define DDPX_ELEMENTWISE_OPTIMIZERS(X) X(Adadelta) X(Adamax) X(RAdam) X(Rprop)
+#define DDPX_ELEMENTWISE_OPTIMIZERS(X) X(Adadelta) X(Adagrad) X(Adamax) X(RAdam) X(RMSprop) X(Rprop)
 
 namespace ddpx {
 namespace optim {
 namespace elementwise {
+
+// The optional members of a traits struct, read with their defaults:
+// - `kOptionalStates`, a bit mask: state k (never state 0) is kept only where `has_state(k,
+//   options)` says so, as torch keeps RMSprop's momentum_buffer only with momentum. The kernels
+//   are built for each subset of these states (no load or store of a state not kept). Default 0.
+// - `kStateFromConstructor`: torch's constructor makes every parameter's state (Adagrad), so a
+//   parameter has its state, at step 0, before its first step. Default false.
+template <typename Traits, typename = void>
+struct OptionalStates : std::integral_constant<unsigned, 0> {};
+template <typename Traits>
+struct OptionalStates<Traits, std::void_t<decltype(Traits::kOptionalStates)>>
+    : std::integral_constant<unsigned, Traits::kOptionalStates> {
+  static_assert((Traits::kOptionalStates & 1u) == 0, "state 0 is always kept");
+};
+
+template <typename Traits, typename = void>
+struct StateFromConstructor : std::false_type {};
+template <typename Traits>
+struct StateFromConstructor<Traits, std::void_t<decltype(Traits::kStateFromConstructor)>>
+    : std::bool_constant<Traits::kStateFromConstructor> {};
+
+// Whether a parameter stepped with options `o` keeps state k.
+template <typename Traits>
+bool keeps_state(int k, const typename Traits::Options& o) {
+  if constexpr (OptionalStates<Traits>::value != 0) {
+    if ((OptionalStates<Traits>::value >> k) & 1u) return Traits::has_state(k, o);
+  }
+  (void)k, (void)o;
+  return true;
+}
+
 namespace detail {
 
 // std::variant<Fixed..., every elementwise optimizer's options>.

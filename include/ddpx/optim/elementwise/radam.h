@@ -57,12 +57,14 @@ struct RAdam {
     T lerp_small, beta2, one_minus_beta2, weight_decay, decay;                         // coeffs()
     T rectify, has_l2, has_decay, maximize, lerp;                                      // flags
   };
-  // step: this update's count (torch's state["step"] after its increment); torch2: torch 2.x's
+  // step: this update's count (torch's state["step"] after its increment); torch_version:
+  // torch's major * 100 + minor, from 200 on torch 2.x's
   // formulas (exp_avg.lerp_, `x ** 0.5`), else 1.13's (exp_avg.mul_(beta1).add_(grad,
   // alpha=1 - beta1), math.sqrt; 1.13 has no maximize and no decoupled decay, so those stay
   // off there).
   template <typename T>
-  static Coeffs<T> coeffs(const Options& o, int64_t step, bool torch2) {
+  static Coeffs<T> coeffs(const Options& o, int64_t step, int torch_version) {
+    const bool torch2 = torch_version >= 200;
     const double n = static_cast<double>(step);
     const double bc1 = 1.0 - std::pow(o.beta1, n);
     const double bc2 = 1.0 - std::pow(o.beta2, n);

@@ -54,7 +54,7 @@ struct Rprop {
   };
   // The same formulas in torch 1.13 and 2.x; the step count is not used.
   template <typename T>
-  static Coeffs<T> coeffs(const Options& o, int64_t /*step*/, bool /*torch2*/) {
+  static Coeffs<T> coeffs(const Options& o, int64_t /*step*/, int /*torch_version*/) {
     Coeffs<T> c;
     c.etaminus = static_cast<T>(o.etaminus);
     c.etaplus = static_cast<T>(o.etaplus);
