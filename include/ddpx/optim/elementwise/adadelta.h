@@ -68,8 +68,7 @@ struct Adadelta {
   // torch.optim.adadelta._single_tensor_adadelta; s = {square_avg, acc_delta}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = select(c.maximize, -g, g);
-    g = select(c.has_weight_decay, fmadd(p, c.weight_decay, g), g);  // grad.add(param, alpha=wd)
+    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
     T& sq = s[0];
     T& acc = s[1];
     sq = fmadd(c.one_minus_rho * g, g, mul_rn(sq, c.rho));  // mul_(rho).addcmul_(g, g, 1 - rho)

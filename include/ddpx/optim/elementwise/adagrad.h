@@ -78,8 +78,7 @@ struct Adagrad {
   // torch.optim.adagrad._single_tensor_adagrad, dense gradient; s = {sum}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = select(c.maximize, -g, g);
-    g = select(c.has_weight_decay, fmadd(p, c.weight_decay, g), g);  // grad.add(param, alpha=wd)
+    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
     T& sum = s[0];
     sum = fmadd(g, g, sum);              // state_sum.addcmul_(grad, grad, value=1)
     const T std = sqrt_rn(sum) + c.eps;  // state_sum.sqrt().add_(eps)

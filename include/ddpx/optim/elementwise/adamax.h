@@ -75,8 +75,7 @@ struct Adamax {
   // torch.optim.adamax._single_tensor_adamax; s = {exp_avg, exp_inf}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = select(c.maximize, -g, g);
-    g = select(c.has_weight_decay, fmadd(p, c.weight_decay, g), g);  // grad.add(param, alpha=wd)
+    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
     T& m = s[0];
     T& inf = s[1];
     m = select(c.lerp, lerp(m, g, c.one_minus_beta1, c.lerp_small),

@@ -69,6 +69,13 @@ DDPX_OPTIM_INLINE T lerp(T a, T b, T w, T w_small) {
   const T d = b - a;
   return select(w_small, fmadd(w, d, a), fmadd(w - T(1), d, b));
 }
+// torch's gradient prologue: grad = -grad under maximize, then grad.add(param, alpha=wd) where
+// the L2 decay applies (flags as 0/1 of the element type).
+template <typename T>
+DDPX_OPTIM_INLINE T l2_grad(T p, T g, T maximize, T has_l2, T weight_decay) {
+  g = select(maximize, -g, g);
+  return select(has_l2, fmadd(p, weight_decay, g), g);
+}
 template <typename T>
 inline T lerp_small_flag(T w) {
   return w < T(0.5) && w > T(-0.5) ? T(1) : T(0);

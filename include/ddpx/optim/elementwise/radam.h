@@ -105,9 +105,8 @@ struct RAdam {
   // torch.optim.radam._single_tensor_radam; s = {exp_avg, exp_avg_sq}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = select(c.maximize, -g, g);
-    g = select(c.has_l2, fmadd(p, c.weight_decay, g), g);  // grad.add(param, alpha=wd)
-    p = select(c.has_decay, mul_rn(p, c.decay), p);        // param.mul_(1 - lr * wd)
+    g = l2_grad(p, g, c.maximize, c.has_l2, c.weight_decay);
+    p = select(c.has_decay, mul_rn(p, c.decay), p);  // param.mul_(1 - lr * wd)
     T& m = s[0];
     T& v = s[1];
     m = select(c.lerp, lerp(m, g, c.one_minus_beta1, c.lerp_small),

@@ -83,15 +83,15 @@ struct RMSprop {
   // last two zero and ignored when not kept.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = select(c.maximize, -g, g);
-    g = select(c.has_weight_decay, fmadd(p, c.weight_decay, g), g);  // grad.add(param, alpha=wd)
+    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
     T& sq = s[0];
     T& buf = s[1];
     T& ga = s[2];
     // square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
-    sq = fmadd(c.one_minus_alpha * g, g, mul_rn(sq, c.alpha));
+    // (A product passed to fmadd is rounded on its own: no contraction reaches it.)
+    sq = fmadd(c.one_minus_alpha * g, g, sq * c.alpha);
     const T ga_next = select(c.lerp, lerp(ga, g, c.one_minus_alpha, c.lerp_small),
-                             fmadd(g, c.one_minus_alpha, mul_rn(ga, c.alpha)));
+                             fmadd(g, c.one_minus_alpha, ga * c.alpha));
     ga = select(c.centered, ga_next, ga);
     // centered: square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_(); else square_avg.sqrt()
     const T var = fmadd(-ga_next, ga_next, sq);
