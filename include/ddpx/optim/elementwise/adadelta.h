@@ -49,7 +49,8 @@ struct Adadelta {
   // The options rounded to the element type; flags as 0/1 of it (elementwise::select).
   template <typename T>
   struct Coeffs {
-    T neg_lr, rho, one_minus_rho, eps, weight_decay, has_weight_decay, maximize;  // see coeffs()
+    T neg_lr, rho, one_minus_rho, eps;  // see coeffs()
+    Prologue<T> l2;                     // maximize and the L2 decay
   };
   // The same formulas in torch 1.13 and 2.x; the step count is not used.
   template <typename T>
@@ -59,16 +60,14 @@ struct Adadelta {
     c.rho = static_cast<T>(o.rho);
     c.one_minus_rho = static_cast<T>(1.0 - o.rho);
     c.eps = static_cast<T>(o.eps);
-    c.weight_decay = static_cast<T>(o.weight_decay);
-    c.has_weight_decay = o.weight_decay != 0 ? T(1) : T(0);
-    c.maximize = o.maximize ? T(1) : T(0);
+    c.l2 = prologue<T>(o.weight_decay, o.weight_decay != 0, o.maximize);
     return c;
   }
 
   // torch.optim.adadelta._single_tensor_adadelta; s = {square_avg, acc_delta}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
+    g = l2_grad(p, g, c.l2);
     T& sq = s[0];
     T& acc = s[1];
     sq = fmadd(c.one_minus_rho * g, g, mul_rn(sq, c.rho));  // mul_(rho).addcmul_(g, g, 1 - rho)

@@ -58,8 +58,8 @@ struct Adagrad {
   // Python code computes it; flags as 0/1 of the element type (elementwise::select).
   template <typename T>
   struct Coeffs {
-    T neg_clr, weight_decay, eps;  // see coeffs()
-    T has_weight_decay, maximize;  // flags
+    T neg_clr, eps;  // see coeffs()
+    Prologue<T> l2;  // maximize and the L2 decay
   };
   // The same formulas in torch 1.13 and 2.x. torch keeps the step in a float32 tensor and
   // decays the rate in Python floats: clr = lr / (1 + (float(step) - 1) * lr_decay).
@@ -68,17 +68,15 @@ struct Adagrad {
     const double t = static_cast<double>(static_cast<float>(step));
     Coeffs<T> c;
     c.neg_clr = static_cast<T>(-(o.lr / (1 + (t - 1) * o.lr_decay)));
-    c.weight_decay = static_cast<T>(o.weight_decay);
+    c.l2 = prologue<T>(o.weight_decay, o.weight_decay != 0, o.maximize);
     c.eps = static_cast<T>(o.eps);
-    c.has_weight_decay = o.weight_decay != 0 ? T(1) : T(0);
-    c.maximize = o.maximize ? T(1) : T(0);
     return c;
   }
 
   // torch.optim.adagrad._single_tensor_adagrad, dense gradient; s = {sum}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
+    g = l2_grad(p, g, c.l2);
     T& sum = s[0];
     sum = fmadd(g, g, sum);              // state_sum.addcmul_(grad, grad, value=1)
     const T std = sqrt_rn(sum) + c.eps;  // state_sum.sqrt().add_(eps)

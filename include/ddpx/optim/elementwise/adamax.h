@@ -49,8 +49,9 @@ struct Adamax {
   // computes it in double: clr = lr / (1 - beta1 ** step).
   template <typename T>
   struct Coeffs {
-    T neg_clr, beta1, one_minus_beta1, lerp_small, beta2, eps, weight_decay;  // see coeffs()
-    T has_weight_decay, maximize, lerp;  // flags as 0/1 of the element type
+    T neg_clr, beta1, one_minus_beta1, lerp_small, beta2, eps;  // see coeffs()
+    T lerp;                                                     // a flag as 0/1 of the type
+    Prologue<T> l2;                                             // maximize and the L2 decay
   };
   // step: this update's count (torch's state["step"] after its increment); torch_version:
   // torch's major * 100 + minor, from 200 on torch 2.x's
@@ -65,9 +66,7 @@ struct Adamax {
     c.lerp_small = lerp_small_flag(c.one_minus_beta1);
     c.beta2 = static_cast<T>(o.beta2);
     c.eps = static_cast<T>(o.eps);
-    c.weight_decay = static_cast<T>(o.weight_decay);
-    c.has_weight_decay = o.weight_decay != 0 ? T(1) : T(0);
-    c.maximize = o.maximize ? T(1) : T(0);
+    c.l2 = prologue<T>(o.weight_decay, o.weight_decay != 0, o.maximize);
     c.lerp = torch2 ? T(1) : T(0);
     return c;
   }
@@ -75,7 +74,7 @@ struct Adamax {
   // torch.optim.adamax._single_tensor_adamax; s = {exp_avg, exp_inf}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
+    g = l2_grad(p, g, c.l2);
     T& m = s[0];
     T& inf = s[1];
     m = select(c.lerp, lerp(m, g, c.one_minus_beta1, c.lerp_small),

@@ -69,12 +69,21 @@ DDPX_OPTIM_INLINE T lerp(T a, T b, T w, T w_small) {
   const T d = b - a;
   return select(w_small, fmadd(w, d, a), fmadd(w - T(1), d, b));
 }
-// torch's gradient prologue: grad = -grad under maximize, then grad.add(param, alpha=wd) where
-// the L2 decay applies (flags as 0/1 of the element type).
+// torch's gradient prologue, grad = -grad under maximize and then grad.add(param, alpha=wd)
+// where the L2 decay applies: its coefficients rounded to the element type (flags as 0/1 of it),
+// a field of an optimizer's Coeffs filled by prologue(), and its application.
 template <typename T>
-DDPX_OPTIM_INLINE T l2_grad(T p, T g, T maximize, T has_l2, T weight_decay) {
-  g = select(maximize, -g, g);
-  return select(has_l2, fmadd(p, weight_decay, g), g);
+struct Prologue {
+  T weight_decay, has_l2, maximize;
+};
+template <typename T>
+inline Prologue<T> prologue(double weight_decay, bool has_l2, bool maximize) {
+  return {static_cast<T>(weight_decay), has_l2 ? T(1) : T(0), maximize ? T(1) : T(0)};
+}
+template <typename T>
+DDPX_OPTIM_INLINE T l2_grad(T p, T g, const Prologue<T>& c) {
+  g = select(c.maximize, -g, g);
+  return select(c.has_l2, fmadd(p, c.weight_decay, g), g);
 }
 template <typename T>
 inline T lerp_small_flag(T w) {

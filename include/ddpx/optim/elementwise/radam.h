@@ -54,8 +54,9 @@ struct RAdam {
   template <typename T>
   struct Coeffs {
     T lr, bias_correction1, sqrt_bias_correction2, rect, eps, beta1, one_minus_beta1;  // coeffs()
-    T lerp_small, beta2, one_minus_beta2, weight_decay, decay;                         // coeffs()
-    T rectify, has_l2, has_decay, maximize, lerp;                                      // flags
+    T lerp_small, beta2, one_minus_beta2, decay;                                       // coeffs()
+    T rectify, has_decay, lerp;                                                        // flags
+    Prologue<T> l2;  // maximize and the L2 decay (off with the decoupled decay)
   };
   // step: this update's count (torch's state["step"] after its increment); torch_version:
   // torch's major * 100 + minor, from 200 on torch 2.x's
@@ -91,13 +92,11 @@ struct RAdam {
     c.lerp_small = lerp_small_flag(c.one_minus_beta1);
     c.beta2 = static_cast<T>(o.beta2);
     c.one_minus_beta2 = static_cast<T>(1.0 - o.beta2);
-    c.weight_decay = static_cast<T>(o.weight_decay);
     c.decay = static_cast<T>(1.0 - o.lr * o.weight_decay);
     const bool decoupled = torch2 && o.decoupled_weight_decay;
     c.rectify = rectify ? T(1) : T(0);
-    c.has_l2 = o.weight_decay != 0 && !decoupled ? T(1) : T(0);
     c.has_decay = o.weight_decay != 0 && decoupled ? T(1) : T(0);
-    c.maximize = torch2 && o.maximize ? T(1) : T(0);
+    c.l2 = prologue<T>(o.weight_decay, o.weight_decay != 0 && !decoupled, torch2 && o.maximize);
     c.lerp = torch2 ? T(1) : T(0);
     return c;
   }
@@ -105,7 +104,7 @@ struct RAdam {
   // torch.optim.radam._single_tensor_radam; s = {exp_avg, exp_avg_sq}.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = l2_grad(p, g, c.maximize, c.has_l2, c.weight_decay);
+    g = l2_grad(p, g, c.l2);
     p = select(c.has_decay, mul_rn(p, c.decay), p);  // param.mul_(1 - lr * wd)
     T& m = s[0];
     T& v = s[1];

@@ -56,8 +56,9 @@ struct RMSprop {
   // The options rounded to the element type; flags as 0/1 of it (elementwise::select).
   template <typename T>
   struct Coeffs {
-    T neg_lr, alpha, one_minus_alpha, eps, weight_decay, momentum, lerp_small;  // coeffs()
-    T has_weight_decay, has_momentum, centered, lerp, maximize;                 // flags
+    T neg_lr, alpha, one_minus_alpha, eps, momentum, lerp_small;  // coeffs()
+    T has_momentum, centered, lerp;                               // flags
+    Prologue<T> l2;                                               // maximize and the L2 decay
   };
   // torch_version >= 201: grad_avg.lerp_(grad, 1 - alpha) (pytorch#104796); before, 1.13's and
   // 2.0's grad_avg.mul_(alpha).add_(grad, alpha=1 - alpha). The step count is not used.
@@ -68,14 +69,12 @@ struct RMSprop {
     c.alpha = static_cast<T>(o.alpha);
     c.one_minus_alpha = static_cast<T>(1.0 - o.alpha);
     c.eps = static_cast<T>(o.eps);
-    c.weight_decay = static_cast<T>(o.weight_decay);
+    c.l2 = prologue<T>(o.weight_decay, o.weight_decay != 0, o.maximize);
     c.momentum = static_cast<T>(o.momentum);
     c.lerp_small = lerp_small_flag(c.one_minus_alpha);
-    c.has_weight_decay = o.weight_decay != 0 ? T(1) : T(0);
     c.has_momentum = o.momentum > 0 ? T(1) : T(0);
     c.centered = o.centered ? T(1) : T(0);
     c.lerp = torch_version >= 201 ? T(1) : T(0);
-    c.maximize = o.maximize ? T(1) : T(0);
     return c;
   }
 
@@ -83,7 +82,7 @@ struct RMSprop {
   // last two zero and ignored when not kept.
   template <typename T>
   DDPX_OPTIM_INLINE static void element(T& p, T g, T* s, const Coeffs<T>& c) {
-    g = l2_grad(p, g, c.maximize, c.has_weight_decay, c.weight_decay);
+    g = l2_grad(p, g, c.l2);
     T& sq = s[0];
     T& buf = s[1];
     T& ga = s[2];
