@@ -48,6 +48,7 @@ struct Adagrad {
   static constexpr const char* kKind = "adagrad";  // its name in lower case (RPC, messages)
   static constexpr const char* kOptionsName = "AdagradOptions";  // the Python options class
   static constexpr int kStates = 1;                              // state tensors per parameter
+  // torch's state name: the running sum of squared gradients.
   static constexpr const char* kStateNames[kStates] = {"sum"};
   // torch.optim.Adagrad makes every parameter's state in its constructor: step 0 and a sum
   // filled with initial_accumulator_value.

@@ -33,16 +33,20 @@ namespace elementwise {
 //   are built for each subset of these states (no load or store of a state not kept). Default 0.
 // - `kStateFromConstructor`: torch's constructor makes every parameter's state (Adagrad), so a
 //   parameter has its state, at step 0, before its first step. Default false.
+// OptionalStates<Traits>::value: Traits::kOptionalStates, 0 where absent.
 template <typename Traits, typename = void>
 struct OptionalStates : std::integral_constant<unsigned, 0> {};
+// The traits that declare kOptionalStates.
 template <typename Traits>
 struct OptionalStates<Traits, std::void_t<decltype(Traits::kOptionalStates)>>
     : std::integral_constant<unsigned, Traits::kOptionalStates> {
   static_assert((Traits::kOptionalStates & 1u) == 0, "state 0 is always kept");
 };
 
+// StateFromConstructor<Traits>::value: Traits::kStateFromConstructor, false where absent.
 template <typename Traits, typename = void>
 struct StateFromConstructor : std::false_type {};
+// The traits that declare kStateFromConstructor.
 template <typename Traits>
 struct StateFromConstructor<Traits, std::void_t<decltype(Traits::kStateFromConstructor)>>
     : std::bool_constant<Traits::kStateFromConstructor> {};

@@ -74,17 +74,20 @@ DDPX_OPTIM_INLINE T lerp(T a, T b, T w, T w_small) {
 // a field of an optimizer's Coeffs filled by prologue(), and its application.
 template <typename T>
 struct Prologue {
-  T weight_decay, has_l2, maximize;
+  T weight_decay, has_l2, maximize;  // the L2 factor and two flags
 };
+// The prologue's coefficients from the options' values (computed once per step, on the host).
 template <typename T>
 inline Prologue<T> prologue(double weight_decay, bool has_l2, bool maximize) {
   return {static_cast<T>(weight_decay), has_l2 ? T(1) : T(0), maximize ? T(1) : T(0)};
 }
+// The gradient after the prologue, for the element p.
 template <typename T>
 DDPX_OPTIM_INLINE T l2_grad(T p, T g, const Prologue<T>& c) {
   g = select(c.maximize, -g, g);
   return select(c.has_l2, fmadd(p, c.weight_decay, g), g);
 }
+// lerp's w_small flag for the weight w, decided once per tensor.
 template <typename T>
 inline T lerp_small_flag(T w) {
   return w < T(0.5) && w > T(-0.5) ? T(1) : T(0);

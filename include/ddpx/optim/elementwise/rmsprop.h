@@ -47,6 +47,7 @@ struct RMSprop {
   static constexpr const char* kKind = "rmsprop";  // its name in lower case (RPC, messages)
   static constexpr const char* kOptionsName = "RMSpropOptions";  // the Python options class
   static constexpr int kStates = 3;                              // state tensors per parameter
+  // torch's state names, in the order element() takes them; a fresh state is zeros.
   static constexpr const char* kStateNames[kStates] = {"square_avg", "momentum_buffer", "grad_avg"};
   // momentum_buffer (bit 1) and grad_avg (bit 2) are kept only when has_state says so.
   static constexpr unsigned kOptionalStates = 0b110;
