@@ -12,11 +12,11 @@ order, so the *_bitwise tests run torch.optim's own code with a correctly rounde
 """
 import itertools
 
-import numpy as np  # scripts/requirements-torch2.txt; Debian's python3-numpy
 import pytest
 import torch
 
 import ddpx
+import torch_compat as tc
 
 C = ddpx._C
 STEPS = 100
@@ -129,17 +129,10 @@ def assert_torch_state(ours, opt, keys):
 
 
 @pytest.fixture
-def exact_sqrt(monkeypatch):
-    """torch.Tensor.sqrt / sqrt_ correctly rounded (numpy's), as ddpx's kernels compute it: pip's
-    torch 2.x CPU sqrt is not (about 15% of float32 results are 1 ulp off), 1.13's is."""
-    def sqrt(t):
-        return torch.from_numpy(np.sqrt(t.numpy()))
-
-    def sqrt_(t):
-        return t.copy_(sqrt(t))
-
-    monkeypatch.setattr(torch.Tensor, "sqrt", sqrt)
-    monkeypatch.setattr(torch.Tensor, "sqrt_", sqrt_)
+def exact_sqrt():
+    """torch_compat.exact_sqrt() around the test."""
+    with tc.exact_sqrt():
+        yield
 
 
 def run_bitwise(cls, ours_factory, dtype, **kw):

@@ -4,6 +4,7 @@ library or the benchmarks need too live in ddpx/_compat.py and are re-exported h
 Checked on Debian's torch 1.13.1 and pip's torch 2.11.0. Tests read these names instead of
 comparing versions, so a new difference is added here, once, with what was seen on each torch.
 """
+import contextlib
 import inspect
 from typing import Any, Dict
 
@@ -108,3 +109,25 @@ def gloo_exit_race(out: str) -> bool:
     # One block per thread, each opened by torch's fatal-signal handler.
     blocks = out.split("SIGABRT(6), PID: ")[1:]
     return any("pthread_exit" in b and "ProcessGroupGloo::runLoop" in b for b in blocks)
+
+
+@contextlib.contextmanager
+def exact_sqrt():
+    """torch.Tensor.sqrt / sqrt_ correctly rounded (numpy's) inside, as ddpx's kernels and torch
+    1.13 compute it: pip's torch 2.x CPU sqrt is not (about 15% of float32 results are 1 ulp
+    off). For comparing an optimizer with torch's bit for bit, and for problems that magnify that
+    rounding past any useful tolerance."""
+    import numpy as np  # scripts/requirements-torch2.txt; Debian's python3-numpy
+
+    def sqrt(t):
+        return torch.from_numpy(np.sqrt(t.numpy()))
+
+    def sqrt_(t):
+        return t.copy_(sqrt(t))
+
+    old = torch.Tensor.sqrt, torch.Tensor.sqrt_
+    torch.Tensor.sqrt, torch.Tensor.sqrt_ = sqrt, sqrt_
+    try:
+        yield
+    finally:
+        torch.Tensor.sqrt, torch.Tensor.sqrt_ = old

@@ -16,7 +16,6 @@ test reading it fails with that traceback while the others still pass.
 
 ddpx is imported lazily (zero_cls), so that the torch run works without ddpx's class.
 """
-import contextlib
 import copy
 import os
 import traceback
@@ -76,30 +75,6 @@ FUSED_RTOL = 1e-6
 # correctly rounded sqrt torch's steps equal ddpx's bit for bit: test_functional_optim's bitwise
 # tests), and its 1-ulp differences grow to 1.5e-6 within 4-5 steps of these cases.
 CENTERED_RMSPROP_RTOL = 5e-6
-
-
-
-@contextlib.contextmanager
-def exact_sqrt():
-    """torch.Tensor.sqrt / sqrt_ correctly rounded (numpy's) inside, as ddpx's kernels and torch
-    1.13 compute it (pip's torch 2.x CPU sqrt is 1 ulp off for some float32 values). For cases
-    whose problem amplifies that noise past any useful tolerance: there RMSprop's first step near
-    a zero gradient (g / (sqrt(0.01 g**2) + eps) turns from g / eps to sign(g) / 0.1 around
-    |g| = 1e-7) makes a 3e-8 difference upstream a 5e-5 one."""
-    import numpy as np
-
-    def sqrt(t):
-        return torch.from_numpy(np.sqrt(t.numpy()))
-
-    def sqrt_(t):
-        return t.copy_(sqrt(t))
-
-    old = torch.Tensor.sqrt, torch.Tensor.sqrt_
-    torch.Tensor.sqrt, torch.Tensor.sqrt_ = sqrt, sqrt_
-    try:
-        yield
-    finally:
-        torch.Tensor.sqrt, torch.Tensor.sqrt_ = old
 
 
 def fused_rtol(opt: str) -> float:
