@@ -221,13 +221,14 @@ def add_group(rank, world_size, opt):
     # (g / (sqrt(0.01 g**2) + eps) turns from g / eps to sign(g) / 0.1 around |g| = 1e-7) makes
     # torch 2.x's sqrt rounding, through a 3e-8 difference upstream, a 5e-5 one.
     with tc.exact_sqrt():
-        for who in ("impl", "ref"):
-            out[who] = add_group_run(base, opt, who, world_size, out)
+        out["impl"], out["kept"], out["groups"] = add_group_run(base, opt, "impl", world_size)
+        out["ref"], _, _ = add_group_run(base, opt, "ref", world_size)
     return out
 
 
-def add_group_run(base, opt, who, world_size, out):
-    """One of add_group's runs (who: "impl" or "ref"); its trajectory."""
+def add_group_run(base, opt, who, world_size):
+    """One of add_group's runs (who: "impl" or "ref"): its trajectory, and for "impl" whether the
+    first group's pieces stayed the same tensors and how many groups there are (else None)."""
     cls, kwargs = zc.OPTS[opt]
     model = copy.deepcopy(base)
     first = list(model.fc1.parameters()) + list(model.fc2.parameters())
@@ -242,10 +243,10 @@ def add_group_run(base, opt, who, world_size, out):
         zc.loss_of(model, 0, s, world_size).backward()  # the same data on every rank
         optim.step()
         traj.append(zc.flat_params(model))
-    if who == "impl":
-        out["kept"] = before == [id(u) for u in optim.optim.param_groups[0]["params"]]
-        out["groups"] = len(optim.optim.param_groups)
-    return torch.stack(traj)
+    if who != "impl":
+        return torch.stack(traj), None, None
+    kept = before == [id(u) for u in optim.optim.param_groups[0]["params"]]
+    return torch.stack(traj), kept, len(optim.optim.param_groups)
 
 
 def overlap(rank, world_size, opt, interleaved):

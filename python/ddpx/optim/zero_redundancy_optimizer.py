@@ -531,10 +531,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _fused_step(self, subset: Optional[List[int]] = None) -> bool:
         """The fused update-and-exchange for SGD / Adam / AdamW, and ddpx's step then the exchange
         for the elementwise optimizers (Adadelta, Adagrad, Adamax, RAdam, RMSprop, Rprop). False,
-        having done nothing,
-        where the local optimizer's own step must run: another class, an option the kernels lack
-        (``fused``, ``capturable``, ``differentiable``, a tensor hyper-parameter), a step hook, or
-        tensors they cannot take (dtype, layout, shapes)."""
+        having done nothing, where the local optimizer's own step must run: another class, an
+        option the kernels lack (``fused``, ``capturable``, ``differentiable``, a tensor
+        hyper-parameter), a step hook, or tensors they cannot take (dtype, layout, shapes)."""
         optim = self.optim
         if _compat.optimizer_has_step_hooks(optim):
             return False
