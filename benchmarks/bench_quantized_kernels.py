@@ -2,8 +2,9 @@
 """quantized_hook's kernels on one thread against memcpy, on the same machine in one run: the
 block quantization with error feedback (reads the values and the residual, writes the residual
 and the message) and the decode (reads the message, writes fp32 values), per bit width, with
-preallocated outputs. Bandwidth is the bytes one pass must move over its time; the issue's
-target is >= 50% of memcpy's (which moves 8 bytes per fp32 value: read and write).
+preallocated outputs; and 2 bits without error feedback, with the max|v| and the fitted scale.
+Bandwidth is the bytes one pass must move over its time; the issue's target is >= 50% of
+memcpy's (which moves 8 bytes per fp32 value: read and write).
 
     .venv/bin/python benchmarks/bench_quantized_kernels.py [--n 16777216] [--reps 5]
         [--device cpu|cuda] [--json FILE]
@@ -60,6 +61,18 @@ def main() -> int:
         print(f"{bits} bits: quantize + error feedback {tq * 1e3:.1f} ms, {q_gbs:.1f} GB/s "
               f"({q_gbs / rows[0]['gbs']:.0%} of memcpy); dequantize {td * 1e3:.1f} ms, "
               f"{d_gbs:.1f} GB/s ({d_gbs / rows[0]['gbs']:.0%})")
+    # 2 bits without error feedback (quantized_hook's use_error_feedback=False): no residual to
+    # read or write, and the scale either max|v| or fitted to the block, which costs one more
+    # pass over the block's values (in cache).
+    for fit in (False, True):
+        m = _C.quantize_ef_(x, None, 2, args.block, fitted_ternary=fit)
+        tq = best_of(lambda: _C.quantize_ef_(x, None, 2, args.block, out=m, fitted_ternary=fit),
+                     args.reps, sync)
+        gbs = (4 * n + m.numel()) / tq / 1e9
+        scale = "fitted" if fit else "max|v|"
+        rows.append({"op": "quantize", "bits": 2, "scale": scale, "ms": tq * 1e3, "gbs": gbs})
+        print(f"2 bits without error feedback, {scale} scale: quantize {tq * 1e3:.1f} ms, "
+              f"{gbs:.1f} GB/s ({gbs / rows[0]['gbs']:.0%} of memcpy)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -40,6 +40,10 @@ kernels::QuantSpec quant_spec_of(const QuantizedOptions& o, uint64_t stream) {
   spec.bits = static_cast<int>(o.bits);
   spec.block = o.block_size;
   spec.stochastic = o.stochastic_rounding;
+  // Without error feedback nothing carries a 2-bit block's dropped values to the next step, so
+  // its scale is fitted to the block (more values sent, less squared error); with it, max|v|
+  // keeps every residual within half a step.
+  spec.fitted_ternary = !o.use_error_feedback;
   spec.seed = static_cast<uint64_t>(o.random_seed);
   spec.stream = stream;
   return spec;

@@ -16,13 +16,24 @@
 // scale = mean |v| over the block (the L2-optimal scale of a sign code), or, stochastic,
 // scale = max|v| and code 1 with probability (1 + v / scale) / 2 (unbiased).
 //
+// The fitted ternary scale (QuantSpec::fitted_ternary; 2 bits with nearest rounding only): scale
+// = the mean of the magnitudes above the block's mean magnitude (mean |v| when none is above),
+// at most max|v|. With max|v| as the scale of 3 levels, every value below max|v| / 2 is sent as 0:
+// most of a bell-shaped block. The fitted scale is the least-squares level of the values that
+// the mean keeps, so fewer values are dropped and the block's squared error is smaller, at the
+// price of clipping: a value above 1.5 scale is sent as +-scale. It suits a run without error
+// feedback; with it, the clipped excess goes to the residual, which can grow step after step
+// (under max|v| a residual stays within scale / 2).
+//
 // Error bounds, per element of a finite block (v the value quantized, d its dequantized value):
 //   bits >= 2, nearest:    |v - d| <= scale / 2  (up to fp32 rounding of scale * q)
 //   bits >= 2, stochastic: |v - d| <  scale, and E[d] = v
+//   2 bits, fitted:        |v - d| <= max(scale / 2, |v| - scale), mean |v| <= scale <= max|v|
 //   1 bit: d = +-scale with v's sign; stochastic: E[d] = v.
 // Error feedback: the residual written back is v - d in fp32. For bits >= 2 that subtraction is
 // exact (d has v's sign and lies within a factor 2 of v, or is 0: Sterbenz), so d + residual == v
-// bit for bit; for 1 bit it is the rounded difference.
+// bit for bit; for 1 bit, and for a fitted 2-bit value clipped from above 2 scale, it is the
+// rounded difference.
 //
 // Non-finite blocks: a block holding a NaN or an infinity gets scale NaN and codes 0, so it
 // dequantizes to NaN on every rank that receives it (never to a finite value), and its residual
@@ -64,6 +75,10 @@ struct QuantSpec {
   // drew.
   uint64_t seed = 0;
   uint64_t stream = 0;
+  // 2 bits with nearest rounding: the fitted ternary scale instead of max|v| (see above); no
+  // effect on other widths or with stochastic rounding, which is unbiased only while every value
+  // is within the scale.
+  bool fitted_ternary = false;
 };
 
 // Quantizes the message blocks [first, last) of `refs` into the message (`scales`: its scale

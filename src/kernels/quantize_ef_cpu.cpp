@@ -1,6 +1,7 @@
 // CPU implementation of the block quantization with error feedback (quantize_ef.h). Per block:
 // one pass loads the values (plus the residual) into a buffer and reduces max|v| and sum|v| in
-// SIMD lanes, one encodes, packs and writes the new residual. Compiled with -ffp-contract=off,
+// SIMD lanes (the fitted 2-bit scale: one more over the buffer, for the magnitudes above the
+// mean), one encodes, packs and writes the new residual. Compiled with -ffp-contract=off,
 // like the uint8 kernels: the CUDA kernels round every product and sum alike.
 #include <algorithm>
 #include <cstring>
@@ -120,7 +121,20 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
       if (rb) std::fill(rb, rb + len, 0.0f);
       continue;
     }
-    const float scale = detail::block_scale(BITS, spec.stochastic, absmax, abssum, len);
+    float scale = detail::block_scale(BITS, spec.stochastic, absmax, abssum, len);
+    if (detail::ternary_fit(BITS, spec.stochastic, spec.fitted_ternary)) {
+      const float mean = detail::q_div(abssum, static_cast<float>(len));
+      float above_sum = 0.0f;
+      int64_t above = 0;
+#pragma omp simd reduction(+ : above_sum, above)
+      for (int64_t i = 0; i < len; ++i) {
+        const float a = fabsf(vb[i]);
+        const bool kept = a > mean;
+        above_sum += kept ? a : 0.0f;
+        above += kept ? 1 : 0;
+      }
+      scale = detail::ternary_scale(mean, above_sum, above, absmax);
+    }
     const float inv = detail::inverse_scale(scale);
     scales[b] = scale;
     uint8_t* cv = code.data();

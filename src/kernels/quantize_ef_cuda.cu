@@ -82,7 +82,34 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
     __syncthreads();
   }
   const bool bad = sbad[0] != 0;
-  const float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
+  float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
+  if (!bad && detail::ternary_fit(bits, spec.stochastic, spec.fitted_ternary)) {
+    // The fitted 2-bit scale: a second reduction, of the magnitudes above the mean. `bad` and
+    // the branch are the same for every thread of the block, so the barriers are reached by all.
+    const float mean = detail::q_div(ssum[0], static_cast<float>(len));
+    const float absmax = smax[0];
+    float above_sum = 0.0f;
+    int above = 0;
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+      const float a = fabsf(value_at(x, residual, begin + i));
+      if (a > mean) {
+        above_sum = __fadd_rn(above_sum, a);
+        ++above;
+      }
+    }
+    __syncthreads();  // every thread has read ssum[0] and smax[0]
+    ssum[threadIdx.x] = above_sum;
+    sbad[threadIdx.x] = above;
+    __syncthreads();
+    for (int step = kThreads / 2; step > 0; step /= 2) {
+      if (threadIdx.x < step) {
+        ssum[threadIdx.x] = __fadd_rn(ssum[threadIdx.x], ssum[threadIdx.x + step]);
+        sbad[threadIdx.x] += sbad[threadIdx.x + step];
+      }
+      __syncthreads();
+    }
+    scale = detail::ternary_scale(mean, ssum[0], sbad[0], absmax);
+  }
   if (threadIdx.x == 0) scales[b] = scale;
   const float inv = detail::inverse_scale(scale);
   const int per = 8 / bits;

@@ -1,8 +1,9 @@
 // CUDA variants of the kernels in quantize_ef.h: the same element functions (quantize_ef_inl.h),
 // device pointers, launched asynchronously on `stream`. Launch errors are raised as
 // std::runtime_error. One CUDA block per quantization block: its max|v| and sum|v| are reduced in
-// shared memory, so the 1-bit mean scale may differ from the CPU's in its last bits (another
-// summation order); every other result is the CPU's, bit for bit.
+// shared memory, so the 1-bit mean scale and the fitted 2-bit scale may differ from the CPU's in
+// their last bits (another summation order; for the fitted scale, a value at the mean may fall on
+// the other side of it); every other result is the CPU's, bit for bit.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -39,6 +39,20 @@ DDPX_QUANT_INLINE float block_scale(int bits, bool stochastic, float absmax, flo
   return q_div(absmax, qmax_of(bits));
 }
 
+// Whether a block's scale is the fitted ternary one (QuantSpec::fitted_ternary).
+DDPX_QUANT_INLINE bool ternary_fit(int bits, bool stochastic, bool fitted) {
+  return fitted && bits == 2 && !stochastic;
+}
+
+// The fitted ternary scale from the block's mean magnitude and the sum and count of the
+// magnitudes above it. Clamped to max|v|, which the rounded sum could pass by an ulp, so that the
+// bound scale <= max|v| is exact.
+DDPX_QUANT_INLINE float ternary_scale(float mean, float above_sum, int64_t above, float absmax) {
+  if (above == 0) return mean;
+  const float s = q_div(above_sum, static_cast<float>(above));
+  return s < absmax ? s : absmax;
+}
+
 // 1 / scale, or 0 for a zero scale or one so small (denormal) that its inverse overflows: the
 // block then sends zeros and keeps its values in the residual. Values are encoded by a product
 // with it (a division per value would cost several times more); the product differs from

@@ -75,8 +75,9 @@ void bind_quantized(py::module& m) {
       "quantize_ef_",
       [](const at::Tensor& x, const c10::optional<at::Tensor>& residual, int bits, int64_t block,
          bool stochastic, int64_t seed, int64_t stream, int64_t draw_base,
-         const c10::optional<at::Tensor>& out) {
+         const c10::optional<at::Tensor>& out, bool fitted_ternary) {
         kernels::QuantSpec spec;
+        spec.fitted_ternary = fitted_ternary;
         spec.bits = bits;
         spec.block = block;
         spec.stochastic = stochastic;
@@ -85,14 +86,18 @@ void bind_quantized(py::module& m) {
         ops::BlockTable table =
             ops::BlockTable::contiguous(x.numel(), block, static_cast<uint64_t>(draw_base));
         table.to(x.device());
-        at::Tensor message = at::zeros({ops::quantized_message_bytes(table.size(), bits, block)},
-                                       x.options().dtype(at::kByte));
+        // `out`: a message to reuse (quantize_ef_into checks its size), so that a benchmark
+        // times the kernel and not an allocation.
+        at::Tensor message =
+            out.has_value() ? *out
+                            : at::zeros({ops::quantized_message_bytes(table.size(), bits, block)},
+                                        x.options().dtype(at::kByte));
         ops::quantize_ef_into(x, residual.value_or(at::Tensor()), table, spec, message);
         return message;
       },
       py::arg("x"), py::arg("residual"), py::arg("bits"), py::arg("block"),
       py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("stream") = 0,
-      py::arg("draw_base") = 0, py::arg("out") = py::none(),
+      py::arg("draw_base") = 0, py::arg("out") = py::none(), py::arg("fitted_ternary") = false,
       "The message of x (plus residual, which receives the new residual when given).");
   m.def(
       "dequantize_",

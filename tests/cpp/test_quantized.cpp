@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -253,6 +254,98 @@ TEST(QuantizeEdges, BadFormatsAreRefused) {
               HasSubstr("must hold"));
 }
 
+// Gradient-like values: normal, so that a block's max|v| is far above its typical value.
+at::Tensor normal_input(uint64_t seed, int64_t n) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = normal(gen);
+  return ddpx_test::make_tensor(v, at::kFloat);
+}
+
+ddpx::kernels::QuantSpec fitted(int bits, int64_t block, bool stochastic = false) {
+  ddpx::kernels::QuantSpec s = spec(bits, block, stochastic);
+  s.fitted_ternary = true;
+  return s;
+}
+
+TEST(Quantize, FittedTernaryScaleClosedForm) {
+  const int64_t block = 64, n = 1000;  // a short last block
+  at::Tensor x = normal_input(61, n);
+  x.narrow(0, 128, 64).fill_(-3.0f);  // all magnitudes equal: none above the mean
+  x.narrow(0, 192, 64).zero_();       // all zeros: scale 0
+  at::Tensor msg = message_for(x, 2, block);
+  quantize(x, at::Tensor(), fitted(2, block), msg);
+  const at::Tensor d = decode(msg, n, 2, block);
+  const at::Tensor scales = scales_of(msg, n, block);
+  for (int64_t b = 0; b * block < n; ++b) {
+    const int64_t len = std::min(block, n - b * block);
+    const at::Tensor a = x.narrow(0, b * block, len).abs();
+    const float mean = a.sum().item<float>() / static_cast<float>(len);
+    const at::Tensor kept = a > mean;
+    const int64_t above = kept.sum().item<int64_t>();
+    const float expected = above > 0 ? (a * kept).sum().item<float>() / above : mean;
+    const float scale = scales[b].item<float>();
+    // The kernel sums in SIMD lanes: the last bits of the mean and of the sum may differ.
+    EXPECT_NEAR(scale, expected, 1e-6f * expected) << "block " << b;
+    EXPECT_LE(scale, a.max().item<float>()) << "block " << b;
+    // Every value is sent at the nearest of -scale, 0, +scale (clipped beyond 1.5 scale).
+    const at::Tensor q = at::clamp(at::round(x.narrow(0, b * block, len) / scale), -1, 1);
+    if (scale > 0) {
+      EXPECT_TRUE(at::equal(d.narrow(0, b * block, len), q * scale)) << "block " << b;
+    }
+  }
+  EXPECT_EQ(scales[2].item<float>(), 3.0f);
+  EXPECT_TRUE(at::equal(d.narrow(0, 128, 64), at::full({64}, -3.0f)));
+  EXPECT_EQ(scales[3].item<float>(), 0.0f);
+  EXPECT_TRUE(at::equal(d.narrow(0, 192, 64).abs(), at::zeros({64})));
+  // The fit is for 2 bits with nearest rounding only: other widths, and stochastic rounding
+  // (unbiased only while every value is within the scale), keep their scales.
+  for (const int bits : {8, 4, 2, 1}) {
+    for (const bool stochastic : {false, true}) {
+      if (bits == 2 && !stochastic) continue;
+      at::Tensor a = message_for(x, bits, block), b = message_for(x, bits, block);
+      quantize(x, at::Tensor(), spec(bits, block, stochastic), a);
+      quantize(x, at::Tensor(), fitted(bits, block, stochastic), b);
+      EXPECT_TRUE(at::equal(a, b)) << bits << " bits, stochastic " << stochastic;
+    }
+  }
+}
+
+TEST(Quantize, FittedTernaryBoundsAndLessBias) {
+  const int64_t block = 256, n = 256 * 64;
+  const at::Tensor x = normal_input(62, n);
+  at::Tensor by_max = message_for(x, 2, block), by_fit = message_for(x, 2, block);
+  quantize(x, at::Tensor(), spec(2, block), by_max);
+  quantize(x, at::Tensor(), fitted(2, block), by_fit);
+  const at::Tensor d_max = decode(by_max, n, 2, block), d_fit = decode(by_fit, n, 2, block);
+  const at::Tensor scales = scales_of(by_fit, n, block);
+  for (int64_t b = 0; b < n / block; ++b) {
+    const at::Tensor v = x.narrow(0, b * block, block);
+    const at::Tensor err = (v - d_fit.narrow(0, b * block, block)).abs();
+    const float scale = scales[b].item<float>();
+    // quantize_ef.h's bounds: |v - d| <= max(scale / 2, |v| - scale); mean|v| <= scale <= max|v|.
+    const at::Tensor bound = at::clamp_min(v.abs() - scale, scale / 2);
+    EXPECT_TRUE((err <= bound * (1 + 1e-6f)).all().item<bool>()) << "block " << b;
+    EXPECT_GE(scale, v.abs().mean().item<float>() * (1 - 1e-6f)) << "block " << b;
+    EXPECT_LE(scale, v.abs().max().item<float>()) << "block " << b;
+  }
+  // Under max|v| a normal block sends most values as 0 (those below max|v| / 2, about 1.3 of
+  // its 2.8 standard deviations: about 80%) and so shrinks it; the fitted scale sends about
+  // half of them, with less squared error and a projection <d, v> / <v, v> nearer 1.
+  const double nonzero_max = (d_max != 0).sum().item<double>() / n;
+  const double nonzero_fit = (d_fit != 0).sum().item<double>() / n;
+  EXPECT_LT(nonzero_max, 0.3);
+  EXPECT_GT(nonzero_fit, 0.4);
+  const double sq_max = (x - d_max).pow(2).sum().item<double>();
+  const double sq_fit = (x - d_fit).pow(2).sum().item<double>();
+  EXPECT_LT(sq_fit, 0.8 * sq_max);
+  const double vv = (x * x).sum().item<double>();
+  const double gain_max = (d_max * x).sum().item<double>() / vv;
+  const double gain_fit = (d_fit * x).sum().item<double>() / vv;
+  EXPECT_LT(std::abs(1 - gain_fit), std::abs(1 - gain_max));
+}
+
 // ---- the hook ---------------------------------------------------------------------------------
 
 QuantizedOptions options(int bits, int64_t block, int64_t start_iter = 0, bool ef = true) {
@@ -428,6 +521,38 @@ TEST(QuantizedHook, NanOnOneRankReachesEveryRankInItsBlockOnly) {
     // The residuals restarted where the NaN was: the next step is finite everywhere.
     at::Tensor next = run_step(hook, grad(rank, n, 1), params);
     EXPECT_TRUE(at::isfinite(next).all().item<bool>()) << rank;
+  });
+}
+
+TEST(QuantizedHook, TwoBitsWithoutErrorFeedbackUseTheFittedScale) {
+  // Without error feedback a 2-bit step is the kernels' composition with the fitted scale at both
+  // levels: every rank quantizes its gradient; the mean of the W dequantized messages is
+  // quantized again and dequantized. Parameters of whole blocks, so that the hook's blocks are
+  // the contiguous blocks of the bucket.
+  const int world = 3;
+  const int64_t n = 640, block = 64;
+  std::vector<at::Tensor> grads;
+  for (int r = 0; r < world; ++r) grads.push_back(normal_input(70 + r, n));
+  auto compose = [&](const ddpx::kernels::QuantSpec& s) {
+    std::vector<at::Tensor> messages;
+    for (const auto& g : grads) {
+      messages.push_back(message_for(g, 2, block));
+      quantize(g, at::Tensor(), s, messages.back());
+    }
+    at::Tensor mean = at::empty({n}, at::kFloat);
+    ddpx::ops::dequantize_sum_into(at::stack(messages), table(n, block), 2, block,
+                                   1.0f / static_cast<float>(world), mean);
+    at::Tensor second = message_for(mean, 2, block);
+    quantize(mean, at::Tensor(), s, second);
+    return decode(second, n, 2, block);
+  };
+  const at::Tensor expected = compose(fitted(2, block));
+  ASSERT_FALSE(at::equal(expected, compose(spec(2, block))));  // the scales make a difference
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    auto state = std::make_shared<QuantizedState>(pg, options(2, block, 0, /*ef=*/false));
+    auto hook = ddpx::hooks::quantized_hook(state);
+    const at::Tensor out = run_step(hook, grads[static_cast<size_t>(rank)].clone(), params_of(n));
+    EXPECT_TRUE(at::equal(out, expected)) << "rank " << rank;
   });
 }
 

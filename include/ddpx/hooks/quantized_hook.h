@@ -31,7 +31,9 @@ namespace hooks {
 
 struct QuantizedOptions {
   // Bits per value: 8, 4, 2 (symmetric integers: 255, 15, 3 levels) or 1 (signs with a scale of
-  // mean |v| per block).
+  // mean |v| per block). 2 bits without error feedback or stochastic rounding scale each block
+  // by the mean of its magnitudes above its mean magnitude instead of max|v| (more values sent
+  // nonzero; values above 1.5 scale are clipped).
   int64_t bits = 8;
   // Values per scale; block_size * bits must be a multiple of 8.
   int64_t block_size = 256;

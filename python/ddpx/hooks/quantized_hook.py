@@ -45,7 +45,10 @@ class QuantizedState(NativeState):
         process_group: the group to average over; None for the default group.
         bits: bits per value: 8, 4 or 2 (symmetric integers with 255, 15 or 3 levels and a
             scale of ``max|v| / qmax`` per block), or 1 (the sign, with a scale of ``mean|v|``
-            per block, as signSGD with error feedback).
+            per block, as signSGD with error feedback). 2 bits without error feedback (and
+            without stochastic rounding) fit the scale to the block instead: the mean of the
+            magnitudes above the block's mean magnitude, so that fewer values are sent as 0
+            (values above 1.5 times the scale are clipped to it).
         block_size: values per scale, a multiple of 8 (so that every block's codes fill whole
             bytes) up to 2**20. Smaller blocks follow the values more closely and cost
             ``32 / block_size`` bits per value of scales.
