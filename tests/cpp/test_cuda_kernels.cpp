@@ -25,6 +25,7 @@
 #include "kernels/quantize_cuda.h"
 #include "kernels/quantize_ef.h"
 #include "kernels/quantize_ef_cuda.h"
+#include "kernels/quantize_ef_inl.h"
 
 namespace {
 
@@ -544,8 +545,8 @@ TEST(QuantizeEfCudaFitted, MatchesCpuUpToTies) {
     ASSERT_NEAR(gpu_scales[b], scale, 1e-5f * scale) << "block " << b;
     for (int64_t i = 0; i < refs[b].len; ++i) {
       const int64_t at = b * block + i;
-      const uint32_t c = (cpu_codes[at / 4] >> ((at % 4) * 2)) & 3u;
-      const uint32_t g = (gpu_codes[at / 4] >> ((at % 4) * 2)) & 3u;
+      const uint32_t c = k::detail::unpack_code(cpu_codes + b * block / 4, i, 2);
+      const uint32_t g = k::detail::unpack_code(gpu_codes + b * block / 4, i, 2);
       if (c == g) continue;
       ++differing;
       EXPECT_NEAR(std::fabs(x[at]) / scale, 0.5f, 1e-4f) << "value " << at;
