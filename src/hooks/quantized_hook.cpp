@@ -76,6 +76,7 @@ struct QuantLayout {
   // one, and where its mean lands from round two), and their message's bytes.
   std::vector<ops::BlockTable> to_owner;
   std::vector<int64_t> message_bytes;
+  // All the messages' bytes: what round two brings back. Round one sends all but this rank's.
   int64_t send_bytes = 0;
   // This rank's blocks, packed: block m at [m * block, m * block + len), and where each comes
   // from (parameter index, offset in the parameter).
@@ -437,25 +438,25 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
   const detail::QuantLayout& L = *layout;
   st.maybe_increase_iter(last);
 
-  // Round one: every owner's blocks of (bucket + residual), quantized, to their owner.
+  // Round one: every other owner's blocks of (bucket + residual), quantized, to their owner. A
+  // rank's own blocks cross no wire: they enter its sum as they are, and keep no residual.
   auto& pool = comm::StagingPool::instance();
   const int64_t own_bytes = L.message_bytes[static_cast<size_t>(rank)];
-  at::Tensor send = pool.acquire(L.send_bytes, buffer.options());
-  at::Tensor recv = pool.acquire(world * own_bytes, buffer.options());
+  at::Tensor send = pool.acquire(L.send_bytes - own_bytes, buffer.options());
+  at::Tensor recv = pool.acquire((world - 1) * own_bytes, buffer.options());
   const kernels::QuantSpec worker_spec = quant_spec_of(o, quant_stream_id(iter, 0, rank));
-  std::vector<int64_t> to_owners, from_owners;
+  std::vector<int64_t> to_owners, from_others;
   for (int64_t j = 0, at = 0; j < world; ++j) {
-    const int64_t bytes = L.message_bytes[static_cast<size_t>(j)];
+    const int64_t bytes = j == rank ? 0 : L.message_bytes[static_cast<size_t>(j)];
     if (bytes > 0) {
       ops::quantize_ef_into(buffer, worker, L.to_owner[static_cast<size_t>(j)], worker_spec,
                             send.narrow(0, at, bytes));
     }
     at += bytes;
     to_owners.push_back(bytes);
-    from_owners.push_back(own_bytes);
+    from_others.push_back(j == rank ? 0 : own_bytes);
   }
-  std::vector<int64_t> in_splits = to_owners, out_splits = from_owners;
-  auto work = compat::all_to_all_single(*pg, recv, send, out_splits, in_splits);
+  auto work = compat::all_to_all_single(*pg, recv, send, from_others, to_owners);
   const FuturePtr round_one = comm::future_of(*work, buffer.device());
 
   // Round two, from the next runHook: the owner's means, re-quantized with its own residual, to
@@ -463,8 +464,7 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
   const FuturePtr result = comm::future_on(buffer);
   const kernels::QuantSpec server_spec = quant_spec_of(o, quant_stream_id(iter, 1, 0));
   comm::DeferredCollective::Step step{
-      [pg, round_one, send, recv, buffer, server, server_spec, layout, to_owners, from_owners,
-       result] {
+      [pg, round_one, send, recv, buffer, server, server_spec, layout, own_bytes, result] {
         const detail::QuantLayout& L = *layout;
         const comm::OnPoolStream on_side(buffer.device());
         round_one->wait();   // on CUDA: the pool stream waits for the collective
@@ -472,15 +472,16 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
         auto& pool = comm::StagingPool::instance();
         const int bits = server_spec.bits;
         const int64_t block = server_spec.block;
-        const int64_t world = L.world, own_bytes = from_owners[0];
+        const int64_t world = L.world;
         at::Tensor send2 = pool.acquire(world * own_bytes, buffer.options());
         if (own_bytes > 0) {
           // The owned means in fp32, in a reused buffer (a fresh one would fault its pages in
-          // every step).
+          // every step): the others' messages and this rank's own values, in rank order.
           const at::Tensor mean_bytes = pool.acquire(L.owned.size() * block * 4, buffer.options());
           const at::Tensor mean = mean_bytes.view(at::kFloat);
-          ops::dequantize_sum_into(recv.view({world, own_bytes}), L.owned, bits, block,
-                                   1.0f / static_cast<float>(world), mean);
+          ops::ExactValues own{buffer, &L.to_owner[static_cast<size_t>(L.rank)], L.rank};
+          ops::dequantize_sum_into(recv.view({world - 1, own_bytes}), L.owned, bits, block,
+                                   1.0f / static_cast<float>(world), mean, own);
           ops::quantize_ef_into(mean, server, L.owned, server_spec, send2.narrow(0, 0, own_bytes));
           for (int64_t r = 1; r < world; ++r) {
             send2.narrow(0, r * own_bytes, own_bytes).copy_(send2.narrow(0, 0, own_bytes));
@@ -493,8 +494,10 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
         pool.release(send);
         pool.release(recv);
         at::Tensor recv2 = pool.acquire(L.send_bytes, buffer.options());
-        std::vector<int64_t> in_splits = from_owners, out_splits = to_owners;
-        auto work2 = compat::all_to_all_single(*pg, recv2, send2, out_splits, in_splits);
+        // Every owner's means to every rank, itself included.
+        std::vector<int64_t> to_all(static_cast<size_t>(world), own_bytes);
+        std::vector<int64_t> from_owners = L.message_bytes;
+        auto work2 = compat::all_to_all_single(*pg, recv2, send2, from_owners, to_all);
         FuturePtr decoded =
             comm::future_of(*work2, buffer.device())
                 ->then(

@@ -90,13 +90,25 @@ void quantize_ef_blocks_cpu(const void* x, DType t, float* residual, const Block
                             int64_t first, int64_t last, const QuantSpec& spec, float* scales,
                             uint8_t* codes);
 
+// A term of a dequantized sum that is not quantized: the owner's own values, which need not
+// cross a wire. Block m of the sum reads its values at x + refs[m].begin (refs[m].len of them,
+// the same as the sum's block m), cast to float; the term comes `row`-th in the summation order
+// (0: before every message, count: after all of them). x == nullptr: no such term.
+struct ExactTerm {
+  const void* x = nullptr;
+  DType t = DType::kFloat32;
+  const BlockRef* refs = nullptr;
+  int64_t row = 0;
+};
+
 // For the message blocks [first, last) of `refs`: dst[i] = post_scale * (sum over the messages,
-// in order, of their dequantized value i), summed in fp32. Message r starts at
-// messages + r * message_bytes; every message holds the same blocks (`blocks` of them). dst is
-// fp32, indexed like the refs.
+// in order, of their dequantized value i, with the exact term's value i at its row), summed in
+// fp32. Message r starts at messages + r * message_bytes; every message holds the same blocks
+// (`blocks` of them). dst is fp32, indexed like the refs.
 void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
-                               int bits, int64_t block, float post_scale, float* dst);
+                               int bits, int64_t block, float post_scale, float* dst,
+                               const ExactTerm& exact = ExactTerm());
 
 // dst[i] = cast<dst_t>(dequantized value i) for the message blocks [first, last) of `refs`
 // (the message holds `blocks` blocks).

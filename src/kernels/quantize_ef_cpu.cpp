@@ -281,6 +281,20 @@ void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* r
   throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
 }
 
+// dst's blocks [first, last) of `refs` += the exact term's values (ExactTerm), cast to float.
+template <typename L>
+void add_exact(const ExactTerm& exact, const BlockRef* refs, int64_t first, int64_t last,
+               float* dst) {
+  const auto* x = static_cast<const typename L::T*>(exact.x);
+  for (int64_t b = first; b < last; ++b) {
+    float* o = dst + refs[b].begin;
+    const typename L::T* s = x + exact.refs[b].begin;
+    const int64_t len = refs[b].len;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) o[i] = detail::q_add(o[i], L::load(s[i]));
+  }
+}
+
 template <typename L>
 void quantize_blocks_any(int bits, const typename L::T* x, float* residual, const BlockRef* refs,
                          int64_t first, int64_t last, const QuantSpec& spec, float* scales,
@@ -332,11 +346,36 @@ void quantize_ef_blocks_cpu(const void* x, DType t, float* residual, const Block
 DDPX_QEF_CLONES
 void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
-                               int bits, int64_t block, float post_scale, float* dst) {
+                               int bits, int64_t block, float post_scale, float* dst,
+                               const ExactTerm& exact) {
   for (int64_t b = first; b < last; ++b) {
     std::fill(dst + refs[b].begin, dst + refs[b].begin + refs[b].len, 0.0f);
   }
-  for (int64_t r = 0; r < count; ++r) {
+  const bool has_exact = exact.x != nullptr;
+  if (has_exact && (exact.row < 0 || exact.row > count)) {
+    throw std::invalid_argument("ddpx quantize_ef kernels: the exact term's row is out of range");
+  }
+  for (int64_t term = 0; term < count + (has_exact ? 1 : 0); ++term) {
+    if (has_exact && term == exact.row) {
+      switch (exact.t) {
+        case DType::kFloat32:
+          add_exact<LoadF32>(exact, refs, first, last, dst);
+          break;
+        case DType::kFloat64:
+          add_exact<LoadF64>(exact, refs, first, last, dst);
+          break;
+        case DType::kFloat16:
+          add_exact<LoadF16>(exact, refs, first, last, dst);
+          break;
+        case DType::kBFloat16:
+          add_exact<LoadBF16>(exact, refs, first, last, dst);
+          break;
+        default:
+          bad_dtype(exact.t);
+      }
+      continue;
+    }
+    const int64_t r = has_exact && term > exact.row ? term - 1 : term;
     dequantize_blocks(messages + r * message_bytes, blocks, refs, first, last, bits, block,
                       [dst](int64_t at, const float* d, int64_t len) {
                         float* o = dst + at;

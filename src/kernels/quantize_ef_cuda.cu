@@ -3,7 +3,8 @@
 //     "non-finite" in shared memory; then each thread encodes the values of whole code bytes,
 //     packs them and writes their residuals (the values are recomputed from x and the old
 //     residual, which only this thread reads and writes).
-//   dequantize (sum): one CUDA block per quantization block, a strided loop over its values.
+//   dequantize (sum): one CUDA block per quantization block, a strided loop over its values (a
+//     sum's exact term read at its row of the summation order).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -138,15 +139,24 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
 
 // Block m of a message of `blocks` blocks: dst gets its dequantized values (or, with `count`
 // messages `message_bytes` apart, post_scale times their sum in message order).
+// E: the exact term's element type (ExactTerm; float with a null x when there is none).
+template <typename E>
 __global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                       int64_t blocks, const BlockRef* refs, int bits, int64_t block,
-                                      float post_scale, float* dst) {
+                                      float post_scale, float* dst, const E* exact,
+                                      const BlockRef* exact_refs, int64_t exact_row) {
   const int64_t m = blockIdx.x;
   const int64_t begin = refs[m].begin, len = refs[m].len;
   const int64_t block_bytes = block * bits / 8;
+  const int64_t terms = count + (exact ? 1 : 0);
   for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
     float acc = 0.0f;
-    for (int64_t r = 0; r < count; ++r) {
+    for (int64_t t = 0; t < terms; ++t) {
+      if (exact && t == exact_row) {
+        acc = __fadd_rn(acc, Elem<E>::load(exact[exact_refs[m].begin + i]));
+        continue;
+      }
+      const int64_t r = exact && t > exact_row ? t - 1 : t;
       const uint8_t* message = messages + r * message_bytes;
       const float scale = reinterpret_cast<const float*>(message)[m];
       const uint8_t* cb = message + 4 * blocks + m * block_bytes;
@@ -216,12 +226,28 @@ void quantize_ef_blocks_cuda(const void* x, DType t, float* residual, const Bloc
 
 void dequantize_sum_blocks_cuda(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                 int64_t blocks, const BlockRef* refs, int bits, int64_t block,
-                                float post_scale, float* dst, cudaStream_t stream) {
+                                float post_scale, float* dst, const ExactTerm& exact,
+                                cudaStream_t stream) {
   if (blocks <= 0) return;
   // One launch: message blocks beyond 2^31 - 1 would need 2^31 blocks of `block` values.
-  dequantize_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      messages, count, message_bytes, blocks, refs, bits, block, post_scale, dst);
-  DDPX_CUDA_CHECK(cudaGetLastError());
+  const auto launch = [&](auto* x) {
+    dequantize_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        messages, count, message_bytes, blocks, refs, bits, block, post_scale, dst, x,
+        exact.refs, exact.row);
+    DDPX_CUDA_CHECK(cudaGetLastError());
+  };
+  if (exact.x == nullptr) return launch(static_cast<const float*>(nullptr));
+  switch (exact.t) {
+    case DType::kFloat32:
+      return launch(static_cast<const float*>(exact.x));
+    case DType::kFloat64:
+      return launch(static_cast<const double*>(exact.x));
+    case DType::kFloat16:
+      return launch(static_cast<const __half*>(exact.x));
+    case DType::kBFloat16:
+      return launch(static_cast<const __nv_bfloat16*>(exact.x));
+  }
+  bad_dtype(exact.t);
 }
 
 void dequantize_blocks_cuda(const uint8_t* message, int64_t blocks, const BlockRef* refs, int bits,

@@ -22,7 +22,8 @@ void quantize_ef_blocks_cuda(const void* x, DType t, float* residual, const Bloc
 
 void dequantize_sum_blocks_cuda(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                 int64_t blocks, const BlockRef* refs, int bits, int64_t block,
-                                float post_scale, float* dst, cudaStream_t stream);
+                                float post_scale, float* dst, const ExactTerm& exact,
+                                cudaStream_t stream);
 
 void dequantize_blocks_cuda(const uint8_t* message, int64_t blocks, const BlockRef* refs, int bits,
                             int64_t block, void* dst, DType dst_t, cudaStream_t stream);

@@ -130,32 +130,56 @@ void quantize_ef_into(const at::Tensor& x, const at::Tensor& residual, const Blo
 }
 
 void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, int bits,
-                         int64_t block, float post_scale, const at::Tensor& dst) {
+                         int64_t block, float post_scale, const at::Tensor& dst,
+                         const ExactValues& exact) {
   const char* op = "ddpx::ops::dequantize_sum_into";
   check_qformat(bits, block, op);
   check_qtensor(dst, op, "dst");
   check_covers(table, dst, block, op, "dst");
   TORCH_CHECK(dst.scalar_type() == at::kFloat, op, ": dst must be fp32");
-  TORCH_CHECK(messages.dim() == 2 && messages.size(0) >= 1, op,
-              ": messages must be [rows, bytes] with rows >= 1");
+  const bool has_exact = exact.x.defined();
+  TORCH_CHECK(messages.dim() == 2 && messages.size(0) >= (has_exact ? 0 : 1), op,
+              ": messages must be [rows, bytes] with rows >= 1 (>= 0 with an exact term)");
   const int64_t blocks = table.size();
-  check_qmessage(messages[0], kernels::quantized_message_bytes(blocks, bits, block), dst, op);
-  check_qtensor(messages, op, "messages");
   const int64_t rows = messages.size(0), row_bytes = messages.size(1);
-  const auto* m = static_cast<const uint8_t*>(messages.data_ptr());
+  kernels::ExactTerm term;
+  if (has_exact) {
+    TORCH_CHECK(exact.table != nullptr && exact.table->size() == blocks, op,
+                ": the exact term's table must have the sum's ", blocks, " blocks");
+    check_qtensor(exact.x, op, "the exact term");
+    check_covers(*exact.table, exact.x, block, op, "the exact term");
+    TORCH_CHECK(exact.x.device() == dst.device(), op, ": tensors must be on one device, got ",
+                exact.x.device(), " and ", dst.device());
+    TORCH_CHECK(exact.row >= 0 && exact.row <= rows, op, ": the exact term's row ", exact.row,
+                " must be in [0, ", rows, "]");
+    for (int64_t m = 0; m < blocks; ++m) {
+      TORCH_CHECK(exact.table->refs()[m].len == table.refs()[m].len, op, ": block ", m,
+                  " of the exact term holds ", exact.table->refs()[m].len, " values, the sum's ",
+                  table.refs()[m].len);
+    }
+    term.x = exact.x.data_ptr();
+    term.t = to_kernel_dtype(exact.x.scalar_type(), "the exact term");
+    term.refs = exact.table->data(dst.device());
+    term.row = exact.row;
+  }
+  if (rows > 0) {
+    check_qmessage(messages[0], kernels::quantized_message_bytes(blocks, bits, block), dst, op);
+    check_qtensor(messages, op, "messages");
+  }
+  const auto* m = rows > 0 ? static_cast<const uint8_t*>(messages.data_ptr()) : nullptr;
   float* d = dst.data_ptr<float>();
   const kernels::BlockRef* refs = table.data(dst.device());
   if (dst.is_cuda()) {
 #ifdef DDPX_WITH_CUDA
     const CudaLaunch launch(dst);
     kernels::dequantize_sum_blocks_cuda(m, rows, row_bytes, blocks, refs, bits, block, post_scale,
-                                        d, launch.stream());
+                                        d, term, launch.stream());
 #endif
     return;
   }
   at::parallel_for(0, blocks, quant_grain_blocks(block), [&](int64_t b0, int64_t b1) {
     kernels::dequantize_sum_blocks_cpu(m, rows, row_bytes, blocks, refs, b0, b1, bits, block,
-                                       post_scale, d);
+                                       post_scale, d, term);
   });
 }
 

@@ -48,10 +48,21 @@ int64_t quantized_message_bytes(int64_t blocks, int bits, int64_t block);
 void quantize_ef_into(const at::Tensor& x, const at::Tensor& residual, const BlockTable& table,
                       const kernels::QuantSpec& spec, const at::Tensor& message);
 
+// A term of dequantize_sum_into's sum taken as it is, not quantized (kernels::ExactTerm): the
+// values of `x` (contiguous, floating, on dst's device) at the blocks of `table` (block m as
+// long as the sum's block m), added `row`-th in the summation order.
+struct ExactValues {
+  at::Tensor x;
+  const BlockTable* table = nullptr;
+  int64_t row = 0;
+};
+
 // dst (fp32, indexed by the table) = post_scale * the sum over the rows of `messages` ([rows,
-// bytes] uint8, each row a message of the table's blocks), in row order, in fp32.
+// bytes] uint8, each row a message of the table's blocks), in row order, in fp32; with `exact`
+// (x defined), its values are one more term of the sum, at its row (rows may then be 0).
 void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, int bits,
-                         int64_t block, float post_scale, const at::Tensor& dst);
+                         int64_t block, float post_scale, const at::Tensor& dst,
+                         const ExactValues& exact = ExactValues());
 
 // dst (floating, indexed by the table) = the dequantized values of `message` (uint8, a message
 // of the table's blocks), rounded once to dst's dtype.

@@ -479,7 +479,20 @@ TEST_P(QuantizeEfCuda, MatchesCpu) {
                                block, 1.0f / 3.0f, cpu_sum.data());
   k::dequantize_sum_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), 3, msg_bytes, blocks,
                                 static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block,
-                                1.0f / 3.0f, static_cast<float*>(sum_dev.ptr), nullptr);
+                                1.0f / 3.0f, static_cast<float*>(sum_dev.ptr), k::ExactTerm(),
+                                nullptr);
+  // Two messages and x itself as the middle term (quantized_hook's owner: its own values exact).
+  DeviceBuffer exact_sum_dev(x.size() * 4);
+  std::vector<float> cpu_exact_sum(x.size()), gpu_exact_sum(x.size());
+  k::ExactTerm host_term{x.data(), DType::kFloat32, refs.data(), 1};
+  k::ExactTerm dev_term{x_dev.ptr, DType::kFloat32, static_cast<const k::BlockRef*>(refs_dev.ptr),
+                        1};
+  k::dequantize_sum_blocks_cpu(three.data(), 2, msg_bytes, blocks, refs.data(), 0, blocks, bits,
+                               block, 1.0f / 3.0f, cpu_exact_sum.data(), host_term);
+  k::dequantize_sum_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), 2, msg_bytes, blocks,
+                                static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block,
+                                1.0f / 3.0f, static_cast<float*>(exact_sum_dev.ptr), dev_term,
+                                nullptr);
   std::vector<uint16_t> cpu_bf(x.size()), gpu_bf(x.size());
   k::dequantize_blocks_cpu(cpu_msg.data(), blocks, refs.data(), 0, blocks, bits, block,
                            cpu_bf.data(), DType::kBFloat16);
@@ -491,7 +504,11 @@ TEST_P(QuantizeEfCuda, MatchesCpu) {
       cudaMemcpy(gpu_sum.data(), sum_dev.ptr, gpu_sum.size() * 4, cudaMemcpyDeviceToHost));
   DDPX_ASSERT_CUDA(
       cudaMemcpy(gpu_bf.data(), bf_dev.ptr, gpu_bf.size() * 2, cudaMemcpyDeviceToHost));
+  DDPX_ASSERT_CUDA(cudaMemcpy(gpu_exact_sum.data(), exact_sum_dev.ptr, gpu_exact_sum.size() * 4,
+                              cudaMemcpyDeviceToHost));
   EXPECT_EQ(std::memcmp(cpu_sum.data(), gpu_sum.data(), cpu_sum.size() * 4), 0) << "sum";
+  EXPECT_EQ(std::memcmp(cpu_exact_sum.data(), gpu_exact_sum.data(), cpu_exact_sum.size() * 4), 0)
+      << "sum with an exact term";
   EXPECT_EQ(std::memcmp(cpu_bf.data(), gpu_bf.data(), cpu_bf.size() * 2), 0) << "decode";
 }
 

@@ -242,6 +242,63 @@ TEST(QuantizeEdges, SumOfMessagesInOrder) {
   EXPECT_TRUE(at::equal(out, expected * (1.0f / 3.0f)));
 }
 
+TEST(QuantizeEdges, ExactTermAtItsRow) {
+  // The owner's own values enter the sum as they are, at their row of the summation order, read
+  // through a table of their own (here: the values at an offset of 7 in a longer fp16 tensor,
+  // cast to float), and any row from 0 to the number of messages.
+  const int bits = 8;
+  const int64_t block = 32, n = 100;
+  std::vector<at::Tensor> messages, decoded;
+  for (int r = 0; r < 2; ++r) {
+    const at::Tensor x = random_input(60 + r, n);
+    at::Tensor msg = message_for(x, bits, block);
+    quantize(x, at::Tensor(), spec(bits, block), msg);
+    decoded.push_back(decode(msg, n, bits, block));
+    messages.push_back(msg);
+  }
+  const at::Tensor own = random_input(62, n + 7).to(at::kHalf);
+  std::vector<ddpx::kernels::BlockRef> refs;
+  const ddpx::ops::BlockTable sum_table = table(n, block);
+  for (const auto& r : sum_table.refs()) refs.push_back({r.begin + 7, r.len, r.draw});
+  const ddpx::ops::BlockTable own_table(refs);
+  const at::Tensor own_values = own.narrow(0, 7, n).to(at::kFloat);
+  const at::Tensor stacked = at::stack(messages);
+  for (int64_t row = 0; row <= 2; ++row) {
+    std::vector<at::Tensor> terms = decoded;
+    terms.insert(terms.begin() + row, own_values);
+    at::Tensor expected = at::zeros({n}, at::kFloat);
+    for (const auto& t : terms) expected = expected + t;
+    at::Tensor out = at::empty({n}, at::kFloat);
+    ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f / 3.0f, out,
+                                   {own, &own_table, row});
+    EXPECT_TRUE(at::equal(out, expected * (1.0f / 3.0f))) << "row " << row;
+  }
+  // A float sum is not associative: the row matters (else this test could not tell).
+  at::Tensor first = at::empty({n}, at::kFloat), last = at::empty({n}, at::kFloat);
+  ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f, first,
+                                 {own, &own_table, 0});
+  ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f, last,
+                                 {own, &own_table, 2});
+  EXPECT_FALSE(at::equal(first, last));
+  // No messages: the exact term alone.
+  at::Tensor alone = at::empty({n}, at::kFloat);
+  ddpx::ops::dequantize_sum_into(stacked.narrow(0, 0, 0), table(n, block), bits, block, 1.0f,
+                                 alone, {own, &own_table, 0});
+  EXPECT_TRUE(at::equal(alone, own_values));
+  // Refused: a row past the messages, a table of other blocks, a table past the values.
+  at::Tensor out = at::empty({n}, at::kFloat);
+  EXPECT_THROW(ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f, out,
+                                              {own, &own_table, 3}),
+               c10::Error);
+  const ddpx::ops::BlockTable shorter = table(n - block, block);
+  EXPECT_THROW(ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f, out,
+                                              {own, &shorter, 0}),
+               c10::Error);
+  EXPECT_THROW(ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f, out,
+                                              {own.narrow(0, 0, n), &own_table, 0}),
+               c10::Error);
+}
+
 TEST(QuantizeEdges, BadFormatsAreRefused) {
   const at::Tensor x = at::ones({16});
   at::Tensor msg = at::zeros({64}, at::kByte);
@@ -526,22 +583,29 @@ TEST(QuantizedHook, NanOnOneRankReachesEveryRankInItsBlockOnly) {
 
 TEST(QuantizedHook, TwoBitsWithoutErrorFeedbackUseTheFittedScale) {
   // Without error feedback a 2-bit step is the kernels' composition with the fitted scale at both
-  // levels: every rank quantizes its gradient; the mean of the W dequantized messages is
-  // quantized again and dequantized. Parameters of whole blocks, so that the hook's blocks are
-  // the contiguous blocks of the bucket.
+  // levels: every rank quantizes its gradient; each block's owner sums, in rank order, the
+  // others' dequantized blocks and its own values as they are (they cross no wire), scales by
+  // 1/W, quantizes again; every rank decodes that. Parameters of whole blocks, so that the hook's
+  // blocks are the contiguous blocks of the bucket: the two parameters (keys 0 and 1, 320 values
+  // each) give block b of key k to rank (k + b) % W.
   const int world = 3;
   const int64_t n = 640, block = 64;
   std::vector<at::Tensor> grads;
   for (int r = 0; r < world; ++r) grads.push_back(normal_input(70 + r, n));
+  auto owner_of = [&](int64_t at) { return (at / 320 + (at % 320) / block) % world; };
   auto compose = [&](const ddpx::kernels::QuantSpec& s) {
-    std::vector<at::Tensor> messages;
-    for (const auto& g : grads) {
-      messages.push_back(message_for(g, 2, block));
-      quantize(g, at::Tensor(), s, messages.back());
+    at::Tensor sum = at::zeros({n}, at::kFloat);
+    for (int r = 0; r < world; ++r) {
+      const at::Tensor& g = grads[static_cast<size_t>(r)];
+      at::Tensor message = message_for(g, 2, block);
+      quantize(g, at::Tensor(), s, message);
+      at::Tensor term = decode(message, n, 2, block);
+      for (int64_t at = 0; at < n; at += block) {
+        if (owner_of(at) == r) term.narrow(0, at, block).copy_(g.narrow(0, at, block));
+      }
+      sum = sum + term;
     }
-    at::Tensor mean = at::empty({n}, at::kFloat);
-    ddpx::ops::dequantize_sum_into(at::stack(messages), table(n, block), 2, block,
-                                   1.0f / static_cast<float>(world), mean);
+    const at::Tensor mean = sum * (1.0f / static_cast<float>(world));
     at::Tensor second = message_for(mean, 2, block);
     quantize(mean, at::Tensor(), s, second);
     return decode(second, n, 2, block);

@@ -3,12 +3,14 @@
 // shrink with the world size.
 //
 // Per bucket of n values on W ranks, from iteration start_iter on:
-//   1. every rank adds its residual to the bucket, quantizes it block by block (one fp32 scale
-//      per `block_size` values) and keeps the quantization error as its new residual;
+//   1. every block has an owner rank; every rank adds its residual to the blocks that others
+//      own, quantizes them block by block (one fp32 scale per `block_size` values) and keeps the
+//      quantization error as its new residual;
 //   2. one all-to-all sends chunk j of the blocks to rank j (the chunk's *owner*);
-//   3. the owner dequantizes the W pieces of its chunk, sums them in fp32 in rank order, divides
-//      by W, adds its own second residual and quantizes the mean again, keeping that error
-//      (two-level error feedback, as DeepSpeed's compressed allreduce);
+//   3. the owner sums the W - 1 dequantized pieces of its chunk and its own values, which cross
+//      no wire and so enter exactly, in fp32 in rank order, divides by W, adds its own second
+//      residual and quantizes the mean again, keeping that error (two-level error feedback, as
+//      DeepSpeed's compressed allreduce);
 //   4. one all-to-all sends every owner's quantized mean to every rank, which dequantizes them
 //      into the bucket: every rank gets the same bits.
 // Each rank puts about 2 (W - 1) / W * n * bits / 8 bytes on the wire, plus 4 bytes of scale per
