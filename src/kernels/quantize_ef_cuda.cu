@@ -51,6 +51,22 @@ __device__ __forceinline__ float value_at(const T* x, const float* residual, int
   return residual ? detail::q_add(v, residual[i]) : v;
 }
 
+// A tree reduction of the block's kThreads shared slots into slot 0: `sum` by fp32 sums, `max`
+// (unless null) by maximum, `ints` by OR (or_ints) or by sum. Every thread calls it after writing
+// its slots and a barrier; it returns after a barrier. The tree fixes the summation order, the
+// same in both of the quantize kernel's reductions.
+__device__ __forceinline__ void reduce_slots(float* sum, float* max, int* ints, bool or_ints) {
+  for (int step = kThreads / 2; step > 0; step /= 2) {
+    if (threadIdx.x < step) {
+      const int i = threadIdx.x, j = threadIdx.x + step;
+      sum[i] = __fadd_rn(sum[i], sum[j]);
+      if (max) max[i] = fmaxf(max[i], max[j]);
+      ints[i] = or_ints ? (ints[i] | ints[j]) : ints[i] + ints[j];
+    }
+    __syncthreads();
+  }
+}
+
 template <typename T>
 __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* refs, int64_t first,
                                    QuantSpec spec, float* scales, uint8_t* codes) {
@@ -74,14 +90,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
   ssum[threadIdx.x] = abssum;
   sbad[threadIdx.x] = nonfinite;
   __syncthreads();
-  for (int step = kThreads / 2; step > 0; step /= 2) {
-    if (threadIdx.x < step) {
-      smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + step]);
-      ssum[threadIdx.x] = __fadd_rn(ssum[threadIdx.x], ssum[threadIdx.x + step]);
-      sbad[threadIdx.x] |= sbad[threadIdx.x + step];
-    }
-    __syncthreads();
-  }
+  reduce_slots(ssum, smax, sbad, /*or_ints=*/true);
   const bool bad = sbad[0] != 0;
   float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
   if (!bad && detail::ternary_fit(bits, spec.stochastic, spec.fitted_ternary)) {
@@ -102,13 +111,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
     ssum[threadIdx.x] = above_sum;
     sbad[threadIdx.x] = above;
     __syncthreads();
-    for (int step = kThreads / 2; step > 0; step /= 2) {
-      if (threadIdx.x < step) {
-        ssum[threadIdx.x] = __fadd_rn(ssum[threadIdx.x], ssum[threadIdx.x + step]);
-        sbad[threadIdx.x] += sbad[threadIdx.x + step];
-      }
-      __syncthreads();
-    }
+    reduce_slots(ssum, nullptr, sbad, /*or_ints=*/false);
     scale = detail::ternary_scale(mean, ssum[0], sbad[0], absmax);
   }
   if (threadIdx.x == 0) scales[b] = scale;
