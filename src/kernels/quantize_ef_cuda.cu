@@ -235,8 +235,8 @@ void dequantize_sum_blocks_cuda(const uint8_t* messages, int64_t count, int64_t 
   // One launch: message blocks beyond 2^31 - 1 would need 2^31 blocks of `block` values.
   const auto launch = [&](auto* x) {
     dequantize_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        messages, count, message_bytes, blocks, refs, bits, block, post_scale, dst, x,
-        exact.refs, exact.row);
+        messages, count, message_bytes, blocks, refs, bits, block, post_scale, dst, x, exact.refs,
+        exact.row);
     DDPX_CUDA_CHECK(cudaGetLastError());
   };
   if (exact.x == nullptr) return launch(static_cast<const float*>(nullptr));

@@ -282,8 +282,8 @@ TEST(QuantizeEdges, ExactTermAtItsRow) {
   EXPECT_FALSE(at::equal(first, last));
   // No messages: the exact term alone.
   at::Tensor alone = at::empty({n}, at::kFloat);
-  ddpx::ops::dequantize_sum_into(stacked.narrow(0, 0, 0), table(n, block), bits, block, 1.0f,
-                                 alone, {own, &own_table, 0});
+  ddpx::ops::dequantize_sum_into(stacked.narrow(0, 0, 0), table(n, block), bits, block, 1.0f, alone,
+                                 {own, &own_table, 0});
   EXPECT_TRUE(at::equal(alone, own_values));
   // Refused: a row past the messages, a table of other blocks, a table past the values.
   at::Tensor out = at::empty({n}, at::kFloat);
