@@ -62,15 +62,15 @@ class QuantizedState(NativeState):
             make the result unbiased, instead of to the nearest (needed for training without
             error feedback at low bit widths).
 
-    How a bucket of ``n`` values travels on ``W`` ranks: each rank quantizes (bucket +
-    residual) per block and sends block chunk ``j`` to rank ``j`` (one all-to-all); the owner of
-    a chunk sums the ``W - 1`` dequantized pieces and its own values (exact: they cross no
-    wire) in fp32 in rank order, divides by ``W``, adds its own second residual, quantizes the
-    mean again (two-level error feedback, as DeepSpeed's 1-bit Adam) and sends it to every rank
-    (a second all-to-all), which dequantize it into the bucket. Every rank ends with the same
-    bits; each puts about ``2 (W - 1) / W * n * bits / 8`` bytes on the wire, plus the scales. The second collective
-    of a bucket is issued from the next bucket's hook call, so the collective order is the same
-    on every rank.
+    How a bucket of ``n`` values travels on ``W`` ranks: each rank quantizes (bucket + residual) per
+    block and sends block chunk ``j`` to rank ``j`` (one all-to-all); the owner of a chunk sums the
+    ``W - 1`` dequantized pieces and its own values (exact: they cross no wire) in fp32 in rank
+    order, divides by ``W``, adds its own second residual, quantizes the mean again (two-level error
+    feedback, as DeepSpeed's 1-bit Adam) and sends it to every rank (a second all-to-all), which
+    dequantize it into the bucket. Every rank ends with the same bits; each puts about
+    ``2 (W - 1) / W * n * bits / 8`` bytes on the wire, plus the scales. The second collective of a
+    bucket is issued from the next bucket's hook call, so the collective order is the same on every
+    rank.
 
     A block holding a NaN or an infinity arrives as NaN on every rank (never as a finite
     value), and its residuals restart at zero (so one bad step, the one a GradScaler skips,
