@@ -50,6 +50,22 @@ struct LoadBF16 {
   static float load(uint16_t v) { return detail::bf16_to_float(v); }
 };
 
+// Calls f(L{}) with the loader of dtype t.
+template <typename F>
+void with_loader(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      return f(LoadF32{});
+    case DType::kFloat64:
+      return f(LoadF64{});
+    case DType::kFloat16:
+      return f(LoadF16{});
+    case DType::kBFloat16:
+      return f(LoadBF16{});
+  }
+  bad_dtype(t);
+}
+
 // Packs the codes of one block (PER = 8 / BITS to a byte, little end first).
 template <int BITS>
 inline void pack_codes(const uint8_t* code, int64_t block_bytes, uint8_t* out) {
@@ -326,21 +342,11 @@ DDPX_QEF_CLONES
 void quantize_ef_blocks_cpu(const void* x, DType t, float* residual, const BlockRef* refs,
                             int64_t first, int64_t last, const QuantSpec& spec, float* scales,
                             uint8_t* codes) {
-  switch (t) {
-    case DType::kFloat32:
-      return quantize_blocks_any<LoadF32>(spec.bits, static_cast<const float*>(x), residual, refs,
-                                          first, last, spec, scales, codes);
-    case DType::kFloat64:
-      return quantize_blocks_any<LoadF64>(spec.bits, static_cast<const double*>(x), residual, refs,
-                                          first, last, spec, scales, codes);
-    case DType::kFloat16:
-      return quantize_blocks_any<LoadF16>(spec.bits, static_cast<const uint16_t*>(x), residual,
-                                          refs, first, last, spec, scales, codes);
-    case DType::kBFloat16:
-      return quantize_blocks_any<LoadBF16>(spec.bits, static_cast<const uint16_t*>(x), residual,
-                                           refs, first, last, spec, scales, codes);
-  }
-  bad_dtype(t);
+  with_loader(t, [&](auto loader) {
+    using L = decltype(loader);
+    quantize_blocks_any<L>(spec.bits, static_cast<const typename L::T*>(x), residual, refs, first,
+                           last, spec, scales, codes);
+  });
 }
 
 DDPX_QEF_CLONES
@@ -357,22 +363,9 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
   }
   for (int64_t term = 0; term < count + (has_exact ? 1 : 0); ++term) {
     if (has_exact && term == exact.row) {
-      switch (exact.t) {
-        case DType::kFloat32:
-          add_exact<LoadF32>(exact, refs, first, last, dst);
-          break;
-        case DType::kFloat64:
-          add_exact<LoadF64>(exact, refs, first, last, dst);
-          break;
-        case DType::kFloat16:
-          add_exact<LoadF16>(exact, refs, first, last, dst);
-          break;
-        case DType::kBFloat16:
-          add_exact<LoadBF16>(exact, refs, first, last, dst);
-          break;
-        default:
-          bad_dtype(exact.t);
-      }
+      with_loader(exact.t, [&](auto loader) {
+        add_exact<decltype(loader)>(exact, refs, first, last, dst);
+      });
       continue;
     }
     const int64_t r = has_exact && term > exact.row ? term - 1 : term;
