@@ -363,9 +363,8 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
   }
   for (int64_t term = 0; term < count + (has_exact ? 1 : 0); ++term) {
     if (has_exact && term == exact.row) {
-      with_loader(exact.t, [&](auto loader) {
-        add_exact<decltype(loader)>(exact, refs, first, last, dst);
-      });
+      with_loader(exact.t,
+                  [&](auto loader) { add_exact<decltype(loader)>(exact, refs, first, last, dst); });
       continue;
     }
     const int64_t r = has_exact && term > exact.row ? term - 1 : term;
