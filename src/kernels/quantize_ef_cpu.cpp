@@ -88,6 +88,62 @@ inline float decode_fixed(uint32_t code, float scale) {
   return detail::q_mul(static_cast<float>(static_cast<int32_t>(code) - (1 << (BITS - 1))), scale);
 }
 
+// The nearest-level codes of a block of `len` values (a multiple of 8), packed straight into
+// `out` (block_bytes; the bytes past the block's codes zeroed), and the new residual when `rb`
+// is not null: detail::encode's arithmetic, eight values at a time in GCC's vector extensions
+// (an AVX2 register in the AVX2 clone). Written out because GCC's vectorisation of the plain
+// loop narrowed the codes to bytes with masked blends and register spills: at 8 bits the pass
+// ran at the speed of 2 bits' with their packing loop, and at 60% of the 1-bit pass's.
+template <int BITS>
+inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale, float inv,
+                           int64_t block_bytes, uint8_t* out) {
+  if constexpr (BITS >= 2) {
+    typedef float v8f __attribute__((vector_size(32)));
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    typedef uint32_t v8u __attribute__((vector_size(32)));
+    constexpr float kQmax = static_cast<float>((1 << (BITS - 1)) - 1);
+    constexpr int32_t kZero = 1 << (BITS - 1);
+    // Lane k's code lands at bit (k * BITS) % 32 of the 32-bit word that holds it.
+    constexpr uint32_t kPerWord = 32 / BITS < 8 ? 32 / BITS : 8;
+    const v8u shift = {(0 % kPerWord) * BITS, (1 % kPerWord) * BITS, (2 % kPerWord) * BITS,
+                       (3 % kPerWord) * BITS, (4 % kPerWord) * BITS, (5 % kPerWord) * BITS,
+                       (6 % kPerWord) * BITS, (7 % kPerWord) * BITS};
+    const v8f vinv = {inv, inv, inv, inv, inv, inv, inv, inv};
+    const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
+    const v8f hi = {kQmax, kQmax, kQmax, kQmax, kQmax, kQmax, kQmax, kQmax};
+    const v8f lo = -hi;
+    const v8f magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                       12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
+    constexpr int64_t kGroupBytes = BITS;  // eight codes
+    for (int64_t g = 0; g < len / 8; ++g) {
+      v8f v;
+      std::memcpy(&v, vb + g * 8, sizeof(v));
+      // round_even(v * inv), clamped to +-qmax: detail::encode's steps, lane by lane.
+      v8f q = (v * vinv + magic) - magic;
+      q = q > hi ? hi : q;
+      q = q < lo ? lo : q;
+      if (rb) {
+        const v8f r = v - q * vscale;  // q_add(v, -q_mul(q, scale)): the same roundings
+        std::memcpy(rb + g * 8, &r, sizeof(r));
+      }
+      v8u c = (v8u)(__builtin_convertvector(q, v8i) + kZero) << shift;
+      // OR the lanes of each 32-bit word together (4 lanes a word at 8 bits, all 8 below).
+      c |= __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6);
+      c |= __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5);
+      if (BITS == 8) {
+        const uint32_t words[2] = {c[0], c[4]};
+        std::memcpy(out + g * kGroupBytes, words, 8);
+      } else {
+        const uint32_t word = c[0] | c[4];
+        std::memcpy(out + g * kGroupBytes, &word, kGroupBytes);  // little-endian: low bytes
+      }
+    }
+    // A short block's unused codes are zeros, as in the scalar path.
+    const int64_t used = len / 8 * kGroupBytes;
+    std::memset(out + used, 0, static_cast<size_t>(block_bytes - used));
+  }
+}
+
 template <int BITS, typename L>
 void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* refs, int64_t first,
                      int64_t last, const QuantSpec& spec, float* scales, uint8_t* codes) {
@@ -173,6 +229,9 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
         for (int64_t i = 0; i < len; ++i)
           rb[i] = detail::q_add(vb[i], vb[i] >= 0.0f ? -scale : scale);
       }
+    } else if (len % 8 == 0) {
+      encode_nearest<BITS>(vb, rb, len, scale, inv, block_bytes, cb);
+      continue;
     } else {
       // Nearest level: the same arithmetic as detail::encode, in a loop GCC vectorises.
 #pragma omp simd

@@ -191,6 +191,33 @@ TEST_P(QuantizeBits, ThreadsGiveTheBitsOfOneThread) {
   EXPECT_TRUE(at::equal(r1, r2));
 }
 
+TEST_P(QuantizeBits, WholeAndShortBlocksEncodeAlike) {
+  // At 8, 4 and 2 bits a block of a multiple of 8 values is encoded eight at a time, a short one
+  // value by value: the same values (61 of them, then 3 zeros, which leave max|v|, the scale,
+  // unchanged) must give the same codes and residuals either way. (1 bit has one encode loop,
+  // and its scale, mean |v|, would change with the zeros, as the fitted 2-bit scale would.)
+  const int bits = GetParam();
+  if (bits == 1) return;
+  const int64_t block = 64, len = 61;
+  const ddpx::kernels::QuantSpec s = spec(bits, block);
+  const at::Tensor x = random_input(90 + bits, len);
+  const at::Tensor padded = at::cat({x, at::zeros({block - len}, at::kFloat)});
+  const at::Tensor old_residual = random_input(95 + bits, len) * 0.01;
+  at::Tensor short_res = old_residual.clone();
+  at::Tensor whole_res = at::cat({old_residual, at::zeros({block - len}, at::kFloat)});
+  at::Tensor short_msg = message_for(x, bits, block), whole_msg = message_for(padded, bits, block);
+  quantize(x, short_res, s, short_msg);
+  quantize(padded, whole_res, s, whole_msg);
+  EXPECT_TRUE(at::equal(scales_of(short_msg, len, block), scales_of(whole_msg, block, block)));
+  EXPECT_TRUE(at::equal(decode(short_msg, len, bits, block),
+                        decode(whole_msg, block, bits, block).narrow(0, 0, len)));
+  EXPECT_TRUE(at::equal(short_res, whole_res.narrow(0, 0, len)));
+  // And the codes bit for bit: the short block's unused codes are zeros, the whole block's last
+  // three are the zero level; the bytes before them agree.
+  const int64_t code_bytes = len * bits / 8;
+  EXPECT_TRUE(at::equal(short_msg.narrow(0, 4, code_bytes), whole_msg.narrow(0, 4, code_bytes)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Bits, QuantizeBits, ::testing::Values(8, 4, 2, 1));
 
 TEST(QuantizeEdges, ZeroDenormalAndNonFiniteBlocks) {
