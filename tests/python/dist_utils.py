@@ -262,8 +262,11 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (),
                                     collective_timeout_s, threads, outdir)
             except RankError as exc:
                 # The port picked by free_port() can be taken by someone else (another xdist
-                # worker) before rank 0's store binds it: launch again on a new port.
-                if "Address already in use" in str(exc) and attempt + 1 < PORT_RETRIES:
+                # worker) before rank 0's store binds it: launch again on a new port. (torch
+                # 2.15's TCPStore says "EADDRINUSE ... address already in use", in lower case.)
+                text = str(exc)
+                taken = "address already in use" in text.lower() or "EADDRINUSE" in text
+                if taken and attempt + 1 < PORT_RETRIES:
                     continue
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
