@@ -24,6 +24,17 @@
 #define DDPX_QEF_CLONES
 #endif
 
+// The nearest-level encode in vector extensions needs __builtin_shufflevector (GCC 12, clang);
+// an older compiler encodes every block with the plain loop, to the same bits.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector) && __has_builtin(__builtin_convertvector)
+#define DDPX_QEF_VECTOR_ENCODE 1
+#endif
+#endif
+#ifndef DDPX_QEF_VECTOR_ENCODE
+#define DDPX_QEF_VECTOR_ENCODE 0
+#endif
+
 namespace ddpx {
 namespace kernels {
 namespace {
@@ -88,6 +99,7 @@ inline float decode_fixed(uint32_t code, float scale) {
   return detail::q_mul(static_cast<float>(static_cast<int32_t>(code) - (1 << (BITS - 1))), scale);
 }
 
+#if DDPX_QEF_VECTOR_ENCODE
 // The nearest-level codes of a block of `len` values (a multiple of 8), packed straight into
 // `out` (block_bytes; the bytes past the block's codes zeroed), and the new residual when `rb`
 // is not null: detail::encode's arithmetic, eight values at a time in GCC's vector extensions
@@ -143,6 +155,8 @@ inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale,
     std::memset(out + used, 0, static_cast<size_t>(block_bytes - used));
   }
 }
+
+#endif  // DDPX_QEF_VECTOR_ENCODE
 
 template <int BITS, typename L>
 void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* refs, int64_t first,
@@ -229,9 +243,11 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
         for (int64_t i = 0; i < len; ++i)
           rb[i] = detail::q_add(vb[i], vb[i] >= 0.0f ? -scale : scale);
       }
+#if DDPX_QEF_VECTOR_ENCODE
     } else if (len % 8 == 0) {
       encode_nearest<BITS>(vb, rb, len, scale, inv, block_bytes, cb);
       continue;
+#endif
     } else {
       // Nearest level: the same arithmetic as detail::encode, in a loop GCC vectorises.
 #pragma omp simd
