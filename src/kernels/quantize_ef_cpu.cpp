@@ -39,6 +39,14 @@ namespace ddpx {
 namespace kernels {
 namespace {
 
+#if defined(__GNUC__)
+// Eight lanes of 32 bits (GCC's vector extensions): an AVX2 register in the AVX2 clone, two SSE2
+// ones in the baseline. Casts between these types reinterpret the bits.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+#endif
+
 [[noreturn]] void bad_dtype(DType t) {
   throw std::invalid_argument("ddpx quantize_ef kernels: unsupported dtype tag " +
                               std::to_string(static_cast<int>(t)));
@@ -110,9 +118,6 @@ template <int BITS>
 inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale, float inv,
                            int64_t block_bytes, uint8_t* out) {
   if constexpr (BITS >= 2) {
-    typedef float v8f __attribute__((vector_size(32)));
-    typedef int32_t v8i __attribute__((vector_size(32)));
-    typedef uint32_t v8u __attribute__((vector_size(32)));
     constexpr float kQmax = static_cast<float>((1 << (BITS - 1)) - 1);
     constexpr int32_t kZero = 1 << (BITS - 1);
     // Lane k's code lands at bit (k * BITS) % 32 of the 32-bit word that holds it.
@@ -291,9 +296,6 @@ void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const Block
       // per lane (as the narrower widths below): GCC's vectorisation of the byte loop, and a
       // vector conversion from bytes, both assembled lanes from scalar extracts and ran at half
       // of memcpy's bandwidth.
-      typedef uint32_t v8u __attribute__((vector_size(32)));
-      typedef int32_t v8i __attribute__((vector_size(32)));
-      typedef float v8f __attribute__((vector_size(32)));
       const v8u shift = {0, 8, 16, 24, 0, 8, 16, 24};
       const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
       const int64_t groups = (len + 7) / 8;
@@ -319,9 +321,6 @@ void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const Block
       // whole groups never read past its codes.
       const int64_t groups = (len + 7) / 8;
 #if defined(__GNUC__)
-      typedef uint32_t v8u __attribute__((vector_size(32)));
-      typedef int32_t v8i __attribute__((vector_size(32)));
-      typedef float v8f __attribute__((vector_size(32)));
       const v8u shift = {0 * BITS, 1 * BITS, 2 * BITS, 3 * BITS,
                          4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
       const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
