@@ -1,9 +1,11 @@
 // CPU implementation of the block quantization with error feedback (quantize_ef.h). Per block:
 // one pass loads the values (plus the residual) into a buffer and reduces max|v| and sum|v| in
-// SIMD lanes (the fitted 2-bit scale: one more over the buffer, for the magnitudes above the
-// mean), one encodes, packs and writes the new residual. Compiled with -ffp-contract=off,
-// like the uint8 kernels: the CUDA kernels round every product and sum alike.
+// SIMD lanes (the fitted 2-bit codes: two more over the buffer, for the magnitudes above the
+// mean and the sums that choose the code), one encodes, packs and writes the new residual. Compiled
+// with -ffp-contract=off, like the uint8 kernels: the CUDA kernels round every product and sum
+// alike.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -103,8 +105,7 @@ inline void pack_codes(const uint8_t* code, int64_t block_bytes, uint8_t* out) {
 
 template <int BITS>
 inline float decode_fixed(uint32_t code, float scale) {
-  if (BITS == 1) return code ? scale : -scale;
-  return detail::q_mul(static_cast<float>(static_cast<int32_t>(code) - (1 << (BITS - 1))), scale);
+  return detail::decode(code, scale, BITS);  // BITS a constant: the branches fold away
 }
 
 #if DDPX_QEF_VECTOR_ENCODE
@@ -163,6 +164,39 @@ inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale,
 
 #endif  // DDPX_QEF_VECTOR_ENCODE
 
+// The fitted 2-bit mode's scale of a finite block (quantize_ef.h): the ternary scale t, or -h
+// where the midrise code at half step h has the smaller squared error. Two passes over the
+// buffered values: the magnitudes above the mean (t), then the sums midrise_step compares.
+inline float fitted_2bit_scale(const float* vb, int64_t len, float abssum, float absmax) {
+  const float mean = detail::q_div(abssum, static_cast<float>(len));
+  float above_sum = 0.0f;
+  int64_t above = 0;
+#pragma omp simd reduction(+ : above_sum, above)
+  for (int64_t i = 0; i < len; ++i) {
+    const float a = fabsf(vb[i]);
+    const bool kept = a > mean;
+    above_sum += kept ? a : 0.0f;
+    above += kept ? 1 : 0;
+  }
+  const float t = detail::ternary_scale(mean, above_sum, above, absmax);
+  const float inv_t = detail::inverse_scale(t);
+  const float h0 = detail::midrise_start(mean);
+  float t1 = 0.0f, m1 = 0.0f;
+  int64_t tk = 0, outer = 0;
+#pragma omp simd reduction(+ : t1, m1, tk, outer)
+  for (int64_t i = 0; i < len; ++i) {
+    const float a = fabsf(vb[i]);
+    const bool nonzero = detail::ternary_nonzero(a, inv_t);
+    const bool out = detail::midrise_outer(a, h0);
+    t1 += nonzero ? a : 0.0f;
+    tk += nonzero ? 1 : 0;
+    m1 += out ? detail::q_mul(3.0f, a) : a;
+    outer += out ? 1 : 0;
+  }
+  const float h = detail::midrise_step(t, t1, tk, m1, len + 8 * outer);
+  return h > 0.0f ? -h : t;
+}
+
 template <int BITS, typename L>
 void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* refs, int64_t first,
                      int64_t last, const QuantSpec& spec, float* scales, uint8_t* codes) {
@@ -214,22 +248,20 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
     }
     float scale = detail::block_scale(BITS, spec.stochastic, absmax, abssum, len);
     if (detail::ternary_fit(BITS, spec.stochastic, spec.fitted_ternary)) {
-      const float mean = detail::q_div(abssum, static_cast<float>(len));
-      float above_sum = 0.0f;
-      int64_t above = 0;
-#pragma omp simd reduction(+ : above_sum, above)
-      for (int64_t i = 0; i < len; ++i) {
-        const float a = fabsf(vb[i]);
-        const bool kept = a > mean;
-        above_sum += kept ? a : 0.0f;
-        above += kept ? 1 : 0;
-      }
-      scale = detail::ternary_scale(mean, above_sum, above, absmax);
+      scale = fitted_2bit_scale(vb, len, abssum, absmax);
     }
-    const float inv = detail::inverse_scale(scale);
+    const float inv = detail::encode_factor(scale, BITS);
     scales[b] = scale;
     uint8_t* cv = code.data();
-    if (spec.stochastic) {
+    if (BITS == 2 && scale < 0.0f) {
+      // A midrise block (fitted mode; never stochastic). The residual is the rounded v - d.
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t c = detail::encode_midrise(vb[i], inv);
+        cv[i] = static_cast<uint8_t>(c);
+        if (rb) rb[i] = detail::q_add(vb[i], -detail::decode(c, scale, 2));
+      }
+    } else if (spec.stochastic) {
       const uint64_t base = refs[b].draw;
       for (int64_t i = 0; i < len; ++i) {
         const float u = detail::uniform01(spec.seed, spec.stream, base + static_cast<uint64_t>(i));
@@ -323,7 +355,12 @@ void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const Block
 #if defined(__GNUC__)
       const v8u shift = {0 * BITS, 1 * BITS, 2 * BITS, 3 * BITS,
                          4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
-      const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
+      // A midrise 2-bit block (scale -h) decodes as (2 q + 1) h: the integer step per lane is
+      // q * qmul + qadd, 1 and 0 for the other blocks (the same bits as q * scale there).
+      const bool midrise = BITS == 2 && scale < 0.0f;
+      const int32_t qmul = midrise ? 2 : 1, qadd = midrise ? 1 : 0;
+      const float level = midrise ? -scale : scale;
+      const v8f vscale = {level, level, level, level, level, level, level, level};
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* src = cb + g * BITS;
         uint32_t w = 0;
@@ -334,6 +371,9 @@ void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const Block
         if (BITS == 1) {
           const v8i one = (v8i)codes != 0;  // all ones where the code is 1
           out = (v8f)((one & (v8i)vscale) | (~one & (v8i)(-vscale)));
+        } else if (BITS == 2) {
+          const v8i q = (v8i)codes - 2;
+          out = __builtin_convertvector(q * qmul + qadd, v8f) * vscale;
         } else {
           const v8i q = (v8i)codes - static_cast<int32_t>(1 << (BITS - 1));
           out = __builtin_convertvector(q, v8f) * vscale;

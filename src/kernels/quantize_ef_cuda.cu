@@ -52,16 +52,16 @@ __device__ __forceinline__ float value_at(const T* x, const float* residual, int
 }
 
 // A tree reduction of the block's kThreads shared slots into slot 0: `sum` by fp32 sums, `max`
-// (unless null) by maximum, `ints` by OR (or_ints) or by sum. Every thread calls it after writing
-// its slots and a barrier; it returns after a barrier. The tree fixes the summation order, the
-// same in both of the quantize kernel's reductions.
+// (unless null) by maximum, `ints` (unless null) by OR (or_ints) or by sum. Every thread calls it
+// after writing its slots and a barrier; it returns after a barrier. The tree fixes the summation
+// order, the same in both of the quantize kernel's reductions.
 __device__ __forceinline__ void reduce_slots(float* sum, float* max, int* ints, bool or_ints) {
   for (int step = kThreads / 2; step > 0; step /= 2) {
     if (threadIdx.x < step) {
       const int i = threadIdx.x, j = threadIdx.x + step;
       sum[i] = __fadd_rn(sum[i], sum[j]);
       if (max) max[i] = fmaxf(max[i], max[j]);
-      ints[i] = or_ints ? (ints[i] | ints[j]) : ints[i] + ints[j];
+      if (ints) ints[i] = or_ints ? (ints[i] | ints[j]) : ints[i] + ints[j];
     }
     __syncthreads();
   }
@@ -85,7 +85,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
     nonfinite |= !(a <= 3.4028234663852886e+38f);
   }
   __shared__ float smax[kThreads], ssum[kThreads];
-  __shared__ int sbad[kThreads];
+  __shared__ int sbad[kThreads], souter[kThreads];
   smax[threadIdx.x] = absmax;
   ssum[threadIdx.x] = abssum;
   sbad[threadIdx.x] = nonfinite;
@@ -94,8 +94,9 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
   const bool bad = sbad[0] != 0;
   float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
   if (!bad && detail::ternary_fit(bits, spec.stochastic, spec.fitted_ternary)) {
-    // The fitted 2-bit scale: a second reduction, of the magnitudes above the mean. `bad` and
-    // the branch are the same for every thread of the block, so the barriers are reached by all.
+    // The fitted 2-bit scale (quantize_ef.h): a second reduction, of the magnitudes above the
+    // mean. `bad` and the branch are the same for every thread of the block, so the barriers are
+    // reached by all.
     const float mean = detail::q_div(ssum[0], static_cast<float>(len));
     const float absmax = smax[0];
     float above_sum = 0.0f;
@@ -112,10 +113,35 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
     sbad[threadIdx.x] = above;
     __syncthreads();
     reduce_slots(ssum, nullptr, sbad, /*or_ints=*/false);
-    scale = detail::ternary_scale(mean, ssum[0], sbad[0], absmax);
+    const float t = detail::ternary_scale(mean, ssum[0], sbad[0], absmax);
+    // A third: the sums that choose between the ternary code at t and the midrise code.
+    const float inv_t = detail::inverse_scale(t);
+    const float h0 = detail::midrise_start(mean);
+    float t1 = 0.0f, m1 = 0.0f;
+    int tk = 0, outer = 0;
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+      const float a = fabsf(value_at(x, residual, begin + i));
+      if (detail::ternary_nonzero(a, inv_t)) {
+        t1 = __fadd_rn(t1, a);
+        ++tk;
+      }
+      const bool out = detail::midrise_outer(a, h0);
+      m1 = __fadd_rn(m1, out ? detail::q_mul(3.0f, a) : a);
+      outer += out ? 1 : 0;
+    }
+    __syncthreads();  // every thread has read ssum[0] and sbad[0]
+    ssum[threadIdx.x] = t1;
+    sbad[threadIdx.x] = tk;
+    smax[threadIdx.x] = m1;  // a sum this time
+    souter[threadIdx.x] = outer;
+    __syncthreads();
+    reduce_slots(ssum, nullptr, sbad, /*or_ints=*/false);
+    reduce_slots(smax, nullptr, souter, /*or_ints=*/false);
+    const float h = detail::midrise_step(t, ssum[0], sbad[0], smax[0], len + 8 * souter[0]);
+    scale = h > 0.0f ? -h : t;
   }
   if (threadIdx.x == 0) scales[b] = scale;
-  const float inv = detail::inverse_scale(scale);
+  const float inv = detail::encode_factor(scale, bits);
   const int per = 8 / bits;
   const int64_t block_bytes = block * bits / 8;
   uint8_t* cb = codes + b * block_bytes;

@@ -63,10 +63,51 @@ DDPX_QUANT_INLINE float inverse_scale(float scale) {
   return inv <= 3.4028234663852886e+38f ? inv : 0.0f;
 }
 
+// The fitted 2-bit mode's midrise code (quantize_ef.h). Its starting half step, from the block's
+// mean magnitude: half the rms of a normal block of that mean (rms = mean * sqrt(pi / 2)).
+DDPX_QUANT_INLINE float midrise_start(float mean) { return q_mul(mean, 0.626657069f); }
+
+// Whether the ternary code at inverse scale inv_t sends magnitude a as +-t (round_even(a * inv_t)
+// is nonzero: above one half; a tie rounds to 0).
+DDPX_QUANT_INLINE bool ternary_nonzero(float a, float inv_t) { return q_mul(a, inv_t) > 0.5f; }
+// Whether the midrise code at half step h0 sends magnitude a as +-3 h0 (rather than +-h0).
+DDPX_QUANT_INLINE bool midrise_outer(float a, float h0) { return a >= q_mul(2.0f, h0); }
+
+// The choice between the codes, from the block's sums: t1 = the sum of the magnitudes the ternary
+// code at scale t sends as +-t, tk = their count; m1 = the sum of the magnitudes times their
+// midrise multiple (1 or 3, at the starting half step), mm = the sum of the squared multiples.
+// A code's squared error is sum v^2 minus its gain: t (2 t1 - t tk) for the ternary code, m1^2 /
+// mm for the midrise one at its least-squares half step h = m1 / mm with those multiples (the
+// encode then takes the nearest level at h, which can only lower the error). Returns h where the
+// midrise code gains more (and 1 / 2h is finite), 0 otherwise.
+DDPX_QUANT_INLINE float midrise_step(float t, float t1, int64_t tk, float m1, int64_t mm) {
+  if (mm <= 0) return 0.0f;
+  const float h = q_div(m1, static_cast<float>(mm));
+  const float gain_m = q_mul(h, m1);
+  const float gain_t = q_mul(t, q_add(q_mul(2.0f, t1), -q_mul(t, static_cast<float>(tk))));
+  const bool finite_step = inverse_scale(q_mul(2.0f, h)) > 0.0f;
+  return gain_m > gain_t && h > 0.0f && finite_step ? h : 0.0f;
+}
+
+// The factor a block's values are multiplied by to find their codes: inverse_scale(scale), or
+// for a midrise block (2 bits, stored scale -h < 0) the inverse of its step, 1 / 2h.
+DDPX_QUANT_INLINE float encode_factor(float scale, int bits) {
+  return bits == 2 && scale < 0.0f ? inverse_scale(q_mul(-2.0f, scale)) : inverse_scale(scale);
+}
+
+// A midrise block's code: q + 2 for q = floor(v / 2h) clamped to [-2, 1], the nearest of the
+// levels -3h, -h, h, 3h (`inv_step` = 1 / 2h).
+DDPX_QUANT_INLINE uint32_t encode_midrise(float v, float inv_step) {
+  float q = floorf(q_mul(v, inv_step));
+  q = q > 1.0f ? 1.0f : (q < -2.0f ? -2.0f : q);
+  return static_cast<uint32_t>(static_cast<int32_t>(q) + 2);
+}
+
 // The code of a finite value v of a finite block with scale `scale` (0 included; `inv` its
-// inverse_scale). `u`: the uniform draw (stochastic rounding only).
+// encode_factor). `u`: the uniform draw (stochastic rounding only).
 DDPX_QUANT_INLINE uint32_t encode(float v, float scale, float inv, int bits, bool stochastic,
                                   float u) {
+  if (bits == 2 && scale < 0.0f) return encode_midrise(v, inv);
   if (bits == 1) {
     if (!stochastic || scale == 0.0f) return v >= 0.0f ? 1u : 0u;
     // P(code 1) = (1 + v / scale) / 2, so E[decode] = v.
@@ -81,11 +122,13 @@ DDPX_QUANT_INLINE uint32_t encode(float v, float scale, float inv, int bits, boo
   return static_cast<uint32_t>(static_cast<int32_t>(q) + static_cast<int32_t>(zero_code(bits)));
 }
 
-// The dequantized value of a code.
+// The dequantized value of a code: q * scale, or for a midrise block (2 bits, stored scale
+// -h < 0) (2 q + 1) h (2 q + 1 is exact: one rounding either way).
 DDPX_QUANT_INLINE float decode(uint32_t code, float scale, int bits) {
   if (bits == 1) return code ? scale : -scale;
   const float q =
       static_cast<float>(static_cast<int32_t>(code) - static_cast<int32_t>(zero_code(bits)));
+  if (bits == 2 && scale < 0.0f) return q_mul(q_add(q_mul(2.0f, q), 1.0f), -scale);
   return q_mul(q, scale);
 }
 

@@ -353,36 +353,84 @@ ddpx::kernels::QuantSpec fitted(int bits, int64_t block, bool stochastic = false
   return s;
 }
 
-TEST(Quantize, FittedTernaryScaleClosedForm) {
+// The fitted 2-bit mode's two codes of a block, in closed form (quantize_ef.h), in double: the
+// ternary scale t and the gains (sum v^2 minus the squared error) of the ternary code at t and of
+// the midrise code at its least-squares half step h for the levels that h0 = 0.6267 mean gives.
+struct FittedCodes {
+  double t, h, gain_t, gain_m;
+};
+
+FittedCodes fitted_codes(const at::Tensor& v) {
+  const at::Tensor a = v.abs().to(at::kDouble);
+  const int64_t len = v.numel();
+  const double mean = a.sum().item<double>() / static_cast<double>(len);
+  const at::Tensor kept = a > mean;
+  const int64_t above = kept.sum().item<int64_t>();
+  FittedCodes c;
+  c.t = above > 0 ? (a * kept).sum().item<double>() / static_cast<double>(above) : mean;
+  c.t = std::min(c.t, a.max().item<double>());
+  const at::Tensor nonzero = c.t > 0 ? (a / c.t > 0.5) : at::zeros_like(kept);
+  c.gain_t = c.t * (2 * (a * nonzero).sum().item<double>() - c.t * nonzero.sum().item<double>());
+  const at::Tensor m = at::where(a >= 2 * 0.626657069 * mean, 3.0, 1.0).to(at::kDouble);
+  const double m1 = (a * m).sum().item<double>(), mm = (m * m).sum().item<double>();
+  c.h = m1 / mm;
+  c.gain_m = m1 * m1 / mm;
+  return c;
+}
+
+// The dequantized values of block v under a midrise half step h: (2 q + 1) h for q = floor(v /
+// 2h) clamped to [-2, 1], with 1 / 2h taken in fp32 as the kernels do.
+at::Tensor midrise_levels(const at::Tensor& v, float h) {
+  const float inv_step = 1.0f / (2.0f * h);
+  const at::Tensor q = at::clamp(at::floor(v * inv_step), -2, 1);
+  return (2 * q + 1) * h;
+}
+
+TEST(Quantize, FittedTwoBitCodesClosedForm) {
   const int64_t block = 64, n = 1000;  // a short last block
   at::Tensor x = normal_input(61, n);
-  x.narrow(0, 128, 64).fill_(-3.0f);  // all magnitudes equal: none above the mean
+  x.narrow(0, 128, 64).fill_(-3.0f);  // all magnitudes equal: none above the mean, no error
   x.narrow(0, 192, 64).zero_();       // all zeros: scale 0
+  // Half zeros: the ternary code sends the zeros exactly, the midrise code at +-h.
+  x.narrow(0, 256, 32).zero_();
   at::Tensor msg = message_for(x, 2, block);
   quantize(x, at::Tensor(), fitted(2, block), msg);
   const at::Tensor d = decode(msg, n, 2, block);
   const at::Tensor scales = scales_of(msg, n, block);
+  int64_t midrise = 0;
   for (int64_t b = 0; b * block < n; ++b) {
     const int64_t len = std::min(block, n - b * block);
-    const at::Tensor a = x.narrow(0, b * block, len).abs();
-    const float mean = a.sum().item<float>() / static_cast<float>(len);
-    const at::Tensor kept = a > mean;
-    const int64_t above = kept.sum().item<int64_t>();
-    const float expected = above > 0 ? (a * kept).sum().item<float>() / above : mean;
+    const at::Tensor v = x.narrow(0, b * block, len);
+    const FittedCodes c = fitted_codes(v);
     const float scale = scales[b].item<float>();
-    // The kernel sums in SIMD lanes: the last bits of the mean and of the sum may differ.
-    EXPECT_NEAR(scale, expected, 1e-6f * expected) << "block " << b;
-    EXPECT_LE(scale, a.max().item<float>()) << "block " << b;
-    // Every value is sent at the nearest of -scale, 0, +scale (clipped beyond 1.5 scale).
-    const at::Tensor q = at::clamp(at::round(x.narrow(0, b * block, len) / scale), -1, 1);
-    if (scale > 0) {
-      EXPECT_TRUE(at::equal(d.narrow(0, b * block, len), q * scale)) << "block " << b;
+    // The kernel sums in SIMD lanes: the last bits of its sums may differ from these.
+    const double tol = 1e-5 * c.gain_t;
+    if (scale < 0) {
+      ++midrise;
+      const float h = -scale;
+      EXPECT_NEAR(h, c.h, 1e-5 * c.h) << "block " << b;
+      EXPECT_GT(c.gain_m, c.gain_t - tol) << "block " << b;
+      // Every value at the nearest of -3h, -h, h, 3h.
+      EXPECT_TRUE(at::equal(d.narrow(0, b * block, len), midrise_levels(v, h))) << "block " << b;
+    } else {
+      EXPECT_NEAR(scale, c.t, 1e-6 * c.t) << "block " << b;
+      EXPECT_LE(c.gain_m, c.gain_t + tol) << "block " << b;
+      // Every value is sent at the nearest of -scale, 0, +scale (clipped beyond 1.5 scale).
+      const at::Tensor q = at::clamp(at::round(v / scale), -1, 1);
+      if (scale > 0) {
+        EXPECT_TRUE(at::equal(d.narrow(0, b * block, len), q * scale)) << "block " << b;
+      }
     }
   }
+  // The normal blocks go midrise (about 0.12 of a normal block's energy as squared error,
+  // against about 0.19 for the ternary code); the special ones stay ternary.
+  EXPECT_EQ(midrise, (n + block - 1) / block - 3);
   EXPECT_EQ(scales[2].item<float>(), 3.0f);
   EXPECT_TRUE(at::equal(d.narrow(0, 128, 64), at::full({64}, -3.0f)));
   EXPECT_EQ(scales[3].item<float>(), 0.0f);
   EXPECT_TRUE(at::equal(d.narrow(0, 192, 64).abs(), at::zeros({64})));
+  EXPECT_GT(scales[4].item<float>(), 0.0f);
+  EXPECT_TRUE(at::equal(d.narrow(0, 256, 32).abs(), at::zeros({32})));
   // The fit is for 2 bits with nearest rounding only: other widths, and stochastic rounding
   // (unbiased only while every value is within the scale), keep their scales.
   for (const int bits : {8, 4, 2, 1}) {
@@ -396,34 +444,50 @@ TEST(Quantize, FittedTernaryScaleClosedForm) {
   }
 }
 
-TEST(Quantize, FittedTernaryBoundsAndLessBias) {
+TEST(Quantize, FittedTwoBitBoundsAndLessError) {
   const int64_t block = 256, n = 256 * 64;
-  const at::Tensor x = normal_input(62, n);
+  at::Tensor x = normal_input(62, n);
+  x.narrow(0, 0, 4 * block).mul_(at::rand({4 * block}) < 0.3);  // sparse blocks: ternary
   at::Tensor by_max = message_for(x, 2, block), by_fit = message_for(x, 2, block);
   quantize(x, at::Tensor(), spec(2, block), by_max);
   quantize(x, at::Tensor(), fitted(2, block), by_fit);
   const at::Tensor d_max = decode(by_max, n, 2, block), d_fit = decode(by_fit, n, 2, block);
   const at::Tensor scales = scales_of(by_fit, n, block);
+  int64_t ternary = 0;
   for (int64_t b = 0; b < n / block; ++b) {
     const at::Tensor v = x.narrow(0, b * block, block);
     const at::Tensor err = (v - d_fit.narrow(0, b * block, block)).abs();
     const float scale = scales[b].item<float>();
-    // quantize_ef.h's bounds: |v - d| <= max(scale / 2, |v| - scale); mean|v| <= scale <= max|v|.
-    const at::Tensor bound = at::clamp_min(v.abs() - scale, scale / 2);
+    // quantize_ef.h's bounds. Ternary: |v - d| <= max(scale / 2, |v| - scale), mean|v| <= scale
+    // <= max|v|. Midrise (scale -h): |v - d| <= max(h, |v| - 3h).
+    const float h = std::fabs(scale);
+    const at::Tensor bound =
+        scale < 0 ? at::clamp_min(v.abs() - 3 * h, h) : at::clamp_min(v.abs() - scale, scale / 2);
     EXPECT_TRUE((err <= bound * (1 + 1e-6f)).all().item<bool>()) << "block " << b;
-    EXPECT_GE(scale, v.abs().mean().item<float>() * (1 - 1e-6f)) << "block " << b;
-    EXPECT_LE(scale, v.abs().max().item<float>()) << "block " << b;
+    if (scale >= 0) {
+      ++ternary;
+      EXPECT_GE(scale, v.abs().mean().item<float>() * (1 - 1e-6f)) << "block " << b;
+      EXPECT_LE(scale, v.abs().max().item<float>()) << "block " << b;
+    }
   }
+  EXPECT_EQ(ternary, 4);  // the sparse blocks, and only they
   // Under max|v| a normal block sends most values as 0 (those below max|v| / 2, about 1.3 of
-  // its 2.8 standard deviations: about 80%) and so shrinks it; the fitted scale sends about
-  // half of them, with less squared error and a projection <d, v> / <v, v> nearer 1.
+  // its 2.8 standard deviations: about 80%) and so shrinks it; the fitted code sends more of
+  // them, with less squared error (a normal block's least-squares midrise code: 0.119 of its
+  // energy) and a projection <d, v> / <v, v> nearer 1.
+  const at::Tensor dense = x.narrow(0, 4 * block, n - 4 * block);
+  const at::Tensor fit_dense = d_fit.narrow(0, 4 * block, n - 4 * block);
   const double nonzero_max = (d_max != 0).sum().item<double>() / n;
   const double nonzero_fit = (d_fit != 0).sum().item<double>() / n;
   EXPECT_LT(nonzero_max, 0.3);
-  EXPECT_GT(nonzero_fit, 0.4);
+  EXPECT_GT(nonzero_fit, 0.9);
   const double sq_max = (x - d_max).pow(2).sum().item<double>();
   const double sq_fit = (x - d_fit).pow(2).sum().item<double>();
-  EXPECT_LT(sq_fit, 0.8 * sq_max);
+  EXPECT_LT(sq_fit, 0.3 * sq_max);
+  const double rel_dense =
+      (dense - fit_dense).pow(2).sum().item<double>() / dense.pow(2).sum().item<double>();
+  EXPECT_LT(rel_dense, 0.125);
+  EXPECT_GT(rel_dense, 0.11);
   const double vv = (x * x).sum().item<double>();
   const double gain_max = (d_max * x).sum().item<double>() / vv;
   const double gain_fit = (d_fit * x).sum().item<double>() / vv;
