@@ -35,6 +35,7 @@ GPU (NCCL world size 1, then Gloo with 2 ranks sharing the one GPU):
 import copy
 import json
 import os
+import re
 import sys
 import time
 from typing import Dict, List
@@ -78,6 +79,11 @@ CONFIGS = {
     "ddpx_q8_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=8"),
     "ddpx_q4_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=4"),
     "ddpx_q1_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=1"),
+    # The same with the exchange named ("auto": all-gather on 2 ranks, reduce-scatter on more).
+    "ddpx_q8rs_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=8, reduce_scatter"),
+    "ddpx_q8ag_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=8, allgather"),
+    "ddpx_q1rs_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=1, reduce_scatter"),
+    "ddpx_q1ag_native": ("ddpx", "native", "ddpx.hooks.quantized_hook, bits=1, allgather"),
 }
 BASELINE = "ddpx_noop_native"
 TORCH_BASELINE = "torch_noop"
@@ -144,8 +150,12 @@ def register(name: str, ddp: DDP, ddpx) -> None:
         ddp.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)
     else:
         _, kind, path = name.split("_")
-        if kind[0] == "q" and kind[1:].isdigit():  # quantized_hook, "q<bits>"
-            state = H.QuantizedState(process_group=None, bits=int(kind[1:]), start_iter=0)
+        m = re.fullmatch(r"q(\d)(rs|ag)?", kind)
+        if m:  # quantized_hook, "q<bits>[rs|ag]"
+            extra = {"exchange": {"rs": "reduce_scatter", "ag": "allgather"}[m.group(2)]} \
+                if m.group(2) else {}
+            state = H.QuantizedState(process_group=None, bits=int(m.group(1)), start_iter=0,
+                                     **extra)
             bc.register_hook(ddpx, ddp, state, H.quantized_hook, native=path == "native")
             return
         hook = {"noop": H.noop_hook, "allreduce": H.allreduce_hook,

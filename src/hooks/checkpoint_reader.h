@@ -32,6 +32,7 @@ class CheckpointReader {
  public:
   CheckpointReader(const c10::impl::GenericDict& d, const char* who) : d_(d), who_(who) {}
 
+  bool has(const char* key) const { return d_.find(std::string(key)) != d_.end(); }
   c10::IValue get(const char* key) const {
     auto it = d_.find(std::string(key));
     TORCH_CHECK_VALUE(it != d_.end(), who_, ": missing key '", key, "'");

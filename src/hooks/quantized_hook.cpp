@@ -58,6 +58,19 @@ void validate(const QuantizedOptions& o) {
                     o.block_size);
   TORCH_CHECK_VALUE(o.start_iter >= 0, kQuantizedWho, ": start_iter must be >= 0, got ",
                     o.start_iter);
+  TORCH_CHECK_VALUE(o.exchange == ExchangeMode::kAuto || o.exchange == ExchangeMode::kAllgather ||
+                        o.exchange == ExchangeMode::kReduceScatter,
+                    kQuantizedWho,
+                    ": exchange must be 'auto', 'allgather' or 'reduce_scatter', got '",
+                    comm::exchange_mode_name(o.exchange), "'");
+}
+
+ExchangeMode parse_quantized_exchange(const std::string& name) {
+  if (name == "auto") return ExchangeMode::kAuto;
+  if (name == "allgather") return ExchangeMode::kAllgather;
+  if (name == "reduce_scatter") return ExchangeMode::kReduceScatter;
+  TORCH_CHECK_VALUE(false, kQuantizedWho,
+                    ": exchange must be 'auto', 'allgather' or 'reduce_scatter', got '", name, "'");
 }
 
 namespace detail {
@@ -72,6 +85,12 @@ struct QuantLayout {
   std::vector<int64_t> keys, offsets, lengths;
   int64_t n = 0, world = 0, rank = 0, bits = 0, block = 0;
   bool error_feedback = false;
+  // The all-gather exchange (QuantizedOptions::exchange, resolved for this world size): every
+  // block, in bucket order, in one message of all_bytes (the other fields serve the residuals'
+  // bookkeeping only).
+  bool gather = false;
+  ops::BlockTable all;
+  int64_t all_bytes = 0;
   // Per owner j: the blocks it owns, in bucket coordinates (what this rank sends it in round
   // one, and where its mean lands from round two), and their message's bytes.
   std::vector<ops::BlockTable> to_owner;
@@ -86,7 +105,12 @@ struct QuantLayout {
   bool same(const std::vector<int64_t>& k, int64_t n_, int64_t w, int64_t r,
             const QuantizedOptions& o) const {
     return keys == k && n == n_ && world == w && rank == r && bits == o.bits &&
-           block == o.block_size && error_feedback == o.use_error_feedback;
+           block == o.block_size && error_feedback == o.use_error_feedback &&
+           gather == gathers(o, w);
+  }
+  // Whether options `o` exchange by all-gather on `w` ranks.
+  static bool gathers(const QuantizedOptions& o, int64_t w) {
+    return o.exchange == ExchangeMode::kAllgather || (o.exchange == ExchangeMode::kAuto && w == 2);
   }
 };
 
@@ -107,6 +131,7 @@ std::shared_ptr<QuantLayout> make_layout(std::vector<int64_t> keys, const c10d::
   L->bits = o.bits;
   L->block = o.block_size;
   L->error_feedback = o.use_error_feedback;
+  L->gather = QuantLayout::gathers(o, world);
   // DDP's dense bucket is its parameters' gradients back to back, in getParameters() order.
   int64_t offset = 0;
   for (const at::Tensor& p : b.getParameters()) {
@@ -117,7 +142,7 @@ std::shared_ptr<QuantLayout> make_layout(std::vector<int64_t> keys, const c10d::
   TORCH_CHECK(offset == n, "quantized_hook: the bucket's parameters hold ", offset,
               " values and its buffer ", n);
   std::vector<std::vector<kernels::BlockRef>> to_owner(static_cast<size_t>(world));
-  std::vector<kernels::BlockRef> owned;
+  std::vector<kernels::BlockRef> owned, all;
   const int64_t B = o.block_size;
   for (size_t i = 0; i < L->keys.size(); ++i) {
     const int64_t k = L->keys[i];
@@ -125,6 +150,7 @@ std::shared_ptr<QuantLayout> make_layout(std::vector<int64_t> keys, const c10d::
       const int64_t len = std::min(B, L->lengths[i] - off);
       const int64_t owner = (k + blk) % world;
       to_owner[static_cast<size_t>(owner)].push_back({L->offsets[i] + off, len, draw_of(k, off)});
+      if (L->gather) all.push_back({L->offsets[i] + off, len, draw_of(k, off)});
       if (owner == rank) {
         owned.push_back({static_cast<int64_t>(owned.size()) * B, len, draw_of(k, off)});
         L->owned_from.emplace_back(i, off);
@@ -140,6 +166,11 @@ std::shared_ptr<QuantLayout> make_layout(std::vector<int64_t> keys, const c10d::
   }
   L->owned = ops::BlockTable(std::move(owned));
   L->owned.to(device);
+  if (L->gather) {
+    L->all = ops::BlockTable(std::move(all));
+    L->all.to(device);
+    L->all_bytes = ops::quantized_message_bytes(L->all.size(), static_cast<int>(o.bits), B);
+  }
   return L;
 }
 }  // namespace
@@ -336,6 +367,7 @@ c10::impl::GenericDict QuantizedState::state_dict() const {
   d.insert("start_iter", options_.start_iter);
   d.insert("random_seed", options_.random_seed);
   d.insert("stochastic_rounding", options_.stochastic_rounding);
+  d.insert("exchange", std::string(comm::exchange_mode_name(options_.exchange)));
   d.insert("iter", iter_);
   // Whose residuals these are: load_state_dict refuses them on another rank.
   d.insert("rank", static_cast<int64_t>(pg_->getRank()));
@@ -359,6 +391,9 @@ void QuantizedState::load_state_dict(const c10::impl::GenericDict& d, bool allow
   o.start_iter = in.get_int("start_iter");
   o.random_seed = in.get_int("random_seed");
   o.stochastic_rounding = in.get_bool("stochastic_rounding");
+  // A checkpoint from before the option was taken with the reduce-scatter exchange: resume it so.
+  o.exchange = in.has("exchange") ? parse_quantized_exchange(in.get_string("exchange"))
+                                  : ExchangeMode::kReduceScatter;
   validate(o);
   const int64_t iter = in.get_int("iter");
   TORCH_CHECK_VALUE(iter >= 0, "QuantizedState.load_state_dict: iter must be >= 0, got ", iter);
@@ -404,6 +439,68 @@ void QuantizedState::clear_memories() {
   memory_->clear();
 }
 
+namespace {
+// The all-gather exchange of one bucket (QuantizedOptions::exchange): this rank's message (its
+// whole bucket plus residual, quantized) to every other rank, then every rank sums the W
+// messages in rank order, the same bytes in the same order, so every replica gets the same bits.
+FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
+                          const at::Tensor& worker,
+                          const std::shared_ptr<const detail::QuantLayout>& layout,
+                          const kernels::QuantSpec& spec) {
+  const detail::QuantLayout& L = *layout;
+  auto& pool = comm::StagingPool::instance();
+  const int64_t S = L.all_bytes, world = L.world, rank = L.rank;
+  // Row r of `rows`: rank r's message.
+  at::Tensor rows = pool.acquire(world * S, buffer.options());
+  at::Tensor send, recv;
+  std::vector<int64_t> splits(static_cast<size_t>(world), S);
+  if (world == 2) {
+    // This rank's row goes out as it is and the other one comes in: no copies.
+    ops::quantize_ef_into(buffer, worker, L.all, spec, rows.narrow(0, rank * S, S));
+    send = rows.narrow(0, rank * S, S);
+    recv = rows.narrow(0, (1 - rank) * S, S);
+    splits[static_cast<size_t>(rank)] = 0;
+  } else {
+    // all_to_all_single packs what it receives by source rank, so the rows come in whole, this
+    // rank's own from itself; every row sent is a copy of this rank's message.
+    send = pool.acquire(world * S, buffer.options());
+    ops::quantize_ef_into(buffer, worker, L.all, spec, send.narrow(0, 0, S));
+    for (int64_t r = 1; r < world; ++r) send.narrow(0, r * S, S).copy_(send.narrow(0, 0, S));
+    recv = rows;
+  }
+  auto work = compat::all_to_all_single(*pg, recv, send, splits, splits);
+  const bool own_send = world != 2;
+  const int bits = spec.bits;
+  const int64_t block = spec.block;
+  return comm::future_of(*work, buffer.device())
+      ->then(
+          [rows, send, own_send, buffer, layout, bits, block](c10::ivalue::Future& f) {
+            f.value();  // rethrows a failed collective
+            const detail::QuantLayout& L = *layout;
+            auto& pool = comm::StagingPool::instance();
+            const bool f32 = buffer.scalar_type() == at::kFloat;
+            // The sum lands in an fp32 bucket directly (its values were quantized already).
+            at::Tensor sum_bytes = f32 ? at::Tensor() : pool.acquire(L.n * 4, buffer.options());
+            const at::Tensor sum = f32 ? buffer : sum_bytes.view(at::kFloat);
+            ops::dequantize_sum_into(rows.view({L.world, L.all_bytes}), L.all, bits, block,
+                                     1.0f / static_cast<float>(L.world), sum);
+            if (!f32) {
+              buffer.copy_(sum);
+              comm::keep_until_current_stream_done(sum_bytes);
+              pool.release(sum_bytes);
+            }
+            comm::keep_until_current_stream_done(rows);
+            pool.release(rows);
+            if (own_send) {
+              comm::keep_until_current_stream_done(send);
+              pool.release(send);
+            }
+            return c10::IValue(buffer);
+          },
+          c10::TensorType::get());
+}
+}  // namespace
+
 QuantizedHook::QuantizedHook(QuantizedStatePtr state) : state_(std::move(state)) {
   TORCH_CHECK_TYPE(state_ != nullptr, "quantized_hook: state must be a QuantizedState");
 }
@@ -437,6 +534,11 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
   const at::Tensor worker = b.worker, server = b.server;
   const detail::QuantLayout& L = *layout;
   st.maybe_increase_iter(last);
+  if (L.gather) {
+    mem.deferred.flush();  // a reduce-scatter bucket's second round, should the options change
+    return gather_exchange(pg, buffer, worker, layout,
+                           quant_spec_of(o, quant_stream_id(iter, 0, rank)));
+  }
 
   // Round one: every other owner's blocks of (bucket + residual), quantized, to their owner. A
   // rank's own blocks cross no wire: they enter its sum as they are, and keep no residual.

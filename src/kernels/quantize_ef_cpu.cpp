@@ -301,6 +301,82 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
   }
 }
 
+// The dequantized values of one block (`len` values, codes at `cb`) into db, in whole groups of
+// eight: db must hold len rounded up to a multiple of 8 (a short block's padding codes decode
+// too).
+template <int BITS>
+inline void decode_block(const uint8_t* cb, float scale, int64_t len, float* db) {
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  if (BITS == 8) {
+#if defined(__GNUC__)
+    // Eight codes at a time from two 32-bit words, each broadcast to four lanes and shifted
+    // per lane (as the narrower widths below): GCC's vectorisation of the byte loop, and a
+    // vector conversion from bytes, both assembled lanes from scalar extracts and ran at half
+    // of memcpy's bandwidth.
+    const v8u shift = {0, 8, 16, 24, 0, 8, 16, 24};
+    const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
+    const int64_t groups = (len + 7) / 8;
+    for (int64_t g = 0; g < groups; ++g) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, cb + g * 8, 4);
+      std::memcpy(&hi, cb + g * 8 + 4, 4);
+      const v8u codes = ((v8u{lo, lo, lo, lo, hi, hi, hi, hi}) >> shift) & 0xffu;
+      const v8i q = (v8i)codes - 128;
+      const v8f out = __builtin_convertvector(q, v8f) * vscale;
+      std::memcpy(db + g * 8, &out, sizeof(out));
+    }
+#else
+    for (int64_t j = 0; j < len; ++j) db[j] = decode_fixed<8>(cb[j], scale);
+#endif
+  } else {
+    // Eight codes at a time from the BITS bytes that hold them: one word, broadcast to eight
+    // lanes, each shifted by its own constant, masked, decoded, stored as one vector (GCC's
+    // vector extensions: an AVX2 register in the AVX2 clone, two SSE2 ones in the baseline).
+    // Written out because GCC vectorises the plain loop across groups instead, with a scalar
+    // store per value. The arithmetic is decode_fixed's: the sign select for 1 bit, one
+    // product (no fma: -ffp-contract=off) otherwise. A block is a multiple of 8 values, so
+    // whole groups never read past its codes.
+    const int64_t groups = (len + 7) / 8;
+#if defined(__GNUC__)
+    const v8u shift = {0 * BITS, 1 * BITS, 2 * BITS, 3 * BITS,
+                       4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
+    // A midrise 2-bit block (scale -h) decodes as (2 q + 1) h: the integer step per lane is
+    // q * qmul + qadd, 1 and 0 for the other blocks (the same bits as q * scale there).
+    const bool midrise = BITS == 2 && scale < 0.0f;
+    const int32_t qmul = midrise ? 2 : 1, qadd = midrise ? 1 : 0;
+    const float level = midrise ? -scale : scale;
+    const v8f vscale = {level, level, level, level, level, level, level, level};
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* src = cb + g * BITS;
+      uint32_t w = 0;
+      for (int k = 0; k < BITS; ++k) w |= static_cast<uint32_t>(src[k]) << (8 * k);
+      const v8u codes = ((v8u{w, w, w, w, w, w, w, w}) >> shift) & kMask;
+      v8f out;
+      // (Casts between vector types of one size reinterpret the bits.)
+      if (BITS == 1) {
+        const v8i one = (v8i)codes != 0;  // all ones where the code is 1
+        out = (v8f)((one & (v8i)vscale) | (~one & (v8i)(-vscale)));
+      } else if (BITS == 2) {
+        const v8i q = (v8i)codes - 2;
+        out = __builtin_convertvector(q * qmul + qadd, v8f) * vscale;
+      } else {
+        const v8i q = (v8i)codes - static_cast<int32_t>(1 << (BITS - 1));
+        out = __builtin_convertvector(q, v8f) * vscale;
+      }
+      std::memcpy(db + g * 8, &out, sizeof(out));
+    }
+#else
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* src = cb + g * BITS;
+      uint32_t w = 0;
+      for (int k = 0; k < BITS; ++k) w |= static_cast<uint32_t>(src[k]) << (8 * k);
+      float* o = db + g * 8;
+      for (int k = 0; k < 8; ++k) o[k] = decode_fixed<BITS>((w >> (k * BITS)) & kMask, scale);
+    }
+#endif
+  }
+}
+
 // `direct`: an fp32 destination indexed like the refs, where a block whose length is a multiple
 // of 8 decodes in place; other blocks, and every block when it is null, decode into a buffer
 // that `store` then consumes. (Through the buffer, the copy was a library call per block.)
@@ -308,7 +384,6 @@ template <int BITS, typename Store>
 void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const BlockRef* refs,
                              int64_t first, int64_t last, int64_t block, Store store,
                              float* direct) {
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
   const auto* scales = reinterpret_cast<const float*>(message);
   const uint8_t* codes = message + 4 * blocks;
   const int64_t block_bytes = packed_block_bytes(BITS, block);
@@ -317,79 +392,9 @@ void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const Block
   for (int64_t b = first; b < last; ++b) {
     const int64_t begin = refs[b].begin;
     const int64_t len = refs[b].len;
-    const float scale = scales[b];
-    const uint8_t* cb = codes + b * block_bytes;
     const bool in_place = direct != nullptr && len % 8 == 0;
     float* db = in_place ? direct + begin : d.data();
-    // A short block's padding codes decode too, into the buffer only (len % 8 != 0 there).
-    if (BITS == 8) {
-#if defined(__GNUC__)
-      // Eight codes at a time from two 32-bit words, each broadcast to four lanes and shifted
-      // per lane (as the narrower widths below): GCC's vectorisation of the byte loop, and a
-      // vector conversion from bytes, both assembled lanes from scalar extracts and ran at half
-      // of memcpy's bandwidth.
-      const v8u shift = {0, 8, 16, 24, 0, 8, 16, 24};
-      const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
-      const int64_t groups = (len + 7) / 8;
-      for (int64_t g = 0; g < groups; ++g) {
-        uint32_t lo, hi;
-        std::memcpy(&lo, cb + g * 8, 4);
-        std::memcpy(&hi, cb + g * 8 + 4, 4);
-        const v8u codes = ((v8u{lo, lo, lo, lo, hi, hi, hi, hi}) >> shift) & 0xffu;
-        const v8i q = (v8i)codes - 128;
-        const v8f out = __builtin_convertvector(q, v8f) * vscale;
-        std::memcpy(db + g * 8, &out, sizeof(out));
-      }
-#else
-      for (int64_t j = 0; j < len; ++j) db[j] = decode_fixed<8>(cb[j], scale);
-#endif
-    } else {
-      // Eight codes at a time from the BITS bytes that hold them: one word, broadcast to eight
-      // lanes, each shifted by its own constant, masked, decoded, stored as one vector (GCC's
-      // vector extensions: an AVX2 register in the AVX2 clone, two SSE2 ones in the baseline).
-      // Written out because GCC vectorises the plain loop across groups instead, with a scalar
-      // store per value. The arithmetic is decode_fixed's: the sign select for 1 bit, one
-      // product (no fma: -ffp-contract=off) otherwise. A block is a multiple of 8 values, so
-      // whole groups never read past its codes.
-      const int64_t groups = (len + 7) / 8;
-#if defined(__GNUC__)
-      const v8u shift = {0 * BITS, 1 * BITS, 2 * BITS, 3 * BITS,
-                         4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
-      // A midrise 2-bit block (scale -h) decodes as (2 q + 1) h: the integer step per lane is
-      // q * qmul + qadd, 1 and 0 for the other blocks (the same bits as q * scale there).
-      const bool midrise = BITS == 2 && scale < 0.0f;
-      const int32_t qmul = midrise ? 2 : 1, qadd = midrise ? 1 : 0;
-      const float level = midrise ? -scale : scale;
-      const v8f vscale = {level, level, level, level, level, level, level, level};
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* src = cb + g * BITS;
-        uint32_t w = 0;
-        for (int k = 0; k < BITS; ++k) w |= static_cast<uint32_t>(src[k]) << (8 * k);
-        const v8u codes = ((v8u{w, w, w, w, w, w, w, w}) >> shift) & kMask;
-        v8f out;
-        // (Casts between vector types of one size reinterpret the bits.)
-        if (BITS == 1) {
-          const v8i one = (v8i)codes != 0;  // all ones where the code is 1
-          out = (v8f)((one & (v8i)vscale) | (~one & (v8i)(-vscale)));
-        } else if (BITS == 2) {
-          const v8i q = (v8i)codes - 2;
-          out = __builtin_convertvector(q * qmul + qadd, v8f) * vscale;
-        } else {
-          const v8i q = (v8i)codes - static_cast<int32_t>(1 << (BITS - 1));
-          out = __builtin_convertvector(q, v8f) * vscale;
-        }
-        std::memcpy(db + g * 8, &out, sizeof(out));
-      }
-#else
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* src = cb + g * BITS;
-        uint32_t w = 0;
-        for (int k = 0; k < BITS; ++k) w |= static_cast<uint32_t>(src[k]) << (8 * k);
-        float* o = db + g * 8;
-        for (int k = 0; k < 8; ++k) o[k] = decode_fixed<BITS>((w >> (k * BITS)) & kMask, scale);
-      }
-#endif
-    }
+    decode_block<BITS>(codes + b * block_bytes, scales[b], len, db);
     if (!in_place) store(begin, db, len);
   }
 }
@@ -411,17 +416,42 @@ void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* r
   throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
 }
 
-// dst's blocks [first, last) of `refs` += the exact term's values (ExactTerm), cast to float.
-template <typename L>
-void add_exact(const ExactTerm& exact, const BlockRef* refs, int64_t first, int64_t last,
-               float* dst) {
-  const auto* x = static_cast<const typename L::T*>(exact.x);
+// dequantize_sum_blocks_cpu for one width, the exact term's values loaded by L. Block by block:
+// each term of a block is added into an accumulator (in L1) in term order, then the block is
+// scaled and stored once. (Term by term over the whole range, dst was read and written once per
+// term and once more for the scaling: 7 passes over it for two messages.)
+template <int BITS, typename L>
+void sum_blocks(const uint8_t* messages, int64_t count, int64_t message_bytes, int64_t blocks,
+                const BlockRef* refs, int64_t first, int64_t last, int64_t block, float post_scale,
+                float* dst, const ExactTerm& exact) {
+  const int64_t block_bytes = packed_block_bytes(BITS, block);
+  thread_local std::vector<float> acc, d;
+  acc.resize(static_cast<size_t>(block));
+  d.resize(static_cast<size_t>(block));
+  const bool has_exact = exact.x != nullptr;
+  const auto* ex = static_cast<const typename L::T*>(exact.x);
   for (int64_t b = first; b < last; ++b) {
-    float* o = dst + refs[b].begin;
-    const typename L::T* s = x + exact.refs[b].begin;
     const int64_t len = refs[b].len;
+    float* a = acc.data();
+    const float* db = d.data();
+    std::fill(a, a + len, 0.0f);
+    for (int64_t term = 0; term < count + (has_exact ? 1 : 0); ++term) {
+      if (has_exact && term == exact.row) {
+        const typename L::T* sx = ex + exact.refs[b].begin;
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) o[i] = detail::q_add(o[i], L::load(s[i]));
+        for (int64_t i = 0; i < len; ++i) a[i] = detail::q_add(a[i], L::load(sx[i]));
+        continue;
+      }
+      const int64_t r = has_exact && term > exact.row ? term - 1 : term;
+      const uint8_t* m = messages + r * message_bytes;
+      decode_block<BITS>(m + 4 * blocks + b * block_bytes, reinterpret_cast<const float*>(m)[b],
+                         len, d.data());
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) a[i] = detail::q_add(a[i], db[i]);
+    }
+    float* o = dst + refs[b].begin;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) o[i] = detail::q_mul(a[i], post_scale);
   }
 }
 
@@ -468,31 +498,27 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
                                int bits, int64_t block, float post_scale, float* dst,
                                const ExactTerm& exact) {
-  for (int64_t b = first; b < last; ++b) {
-    std::fill(dst + refs[b].begin, dst + refs[b].begin + refs[b].len, 0.0f);
-  }
-  const bool has_exact = exact.x != nullptr;
-  if (has_exact && (exact.row < 0 || exact.row > count)) {
+  if (exact.x != nullptr && (exact.row < 0 || exact.row > count)) {
     throw std::invalid_argument("ddpx quantize_ef kernels: the exact term's row is out of range");
   }
-  for (int64_t term = 0; term < count + (has_exact ? 1 : 0); ++term) {
-    if (has_exact && term == exact.row) {
-      with_loader(exact.t,
-                  [&](auto loader) { add_exact<decltype(loader)>(exact, refs, first, last, dst); });
-      continue;
+  with_loader(exact.x != nullptr ? exact.t : DType::kFloat32, [&](auto loader) {
+    using L = decltype(loader);
+    switch (bits) {
+      case 8:
+        return sum_blocks<8, L>(messages, count, message_bytes, blocks, refs, first, last, block,
+                                post_scale, dst, exact);
+      case 4:
+        return sum_blocks<4, L>(messages, count, message_bytes, blocks, refs, first, last, block,
+                                post_scale, dst, exact);
+      case 2:
+        return sum_blocks<2, L>(messages, count, message_bytes, blocks, refs, first, last, block,
+                                post_scale, dst, exact);
+      case 1:
+        return sum_blocks<1, L>(messages, count, message_bytes, blocks, refs, first, last, block,
+                                post_scale, dst, exact);
     }
-    const int64_t r = has_exact && term > exact.row ? term - 1 : term;
-    dequantize_blocks(messages + r * message_bytes, blocks, refs, first, last, bits, block,
-                      [dst](int64_t at, const float* d, int64_t len) {
-                        float* o = dst + at;
-#pragma omp simd
-                        for (int64_t i = 0; i < len; ++i) o[i] = detail::q_add(o[i], d[i]);
-                      });
-  }
-  for (int64_t b = first; b < last; ++b) {
-    float* d = dst + refs[b].begin;
-    for (int64_t i = 0; i < refs[b].len; ++i) d[i] = detail::q_mul(d[i], post_scale);
-  }
+    throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
+  });
 }
 
 DDPX_QEF_CLONES

@@ -23,6 +23,16 @@ void bind_quantized(py::module& m) {
       .def_readwrite("start_iter", &QuantizedOptions::start_iter)
       .def_readwrite("random_seed", &QuantizedOptions::random_seed)
       .def_readwrite("stochastic_rounding", &QuantizedOptions::stochastic_rounding)
+      .def_property(
+          "exchange",
+          [](const QuantizedOptions& o) {
+            return std::string(comm::exchange_mode_name(o.exchange));
+          },
+          [](QuantizedOptions& o, const std::string& name) {
+            o.exchange = hooks::parse_quantized_exchange(name);
+          },
+          "'auto' (all-gather on 2 ranks, reduce-scatter on more), 'allgather' or "
+          "'reduce_scatter'.")
       .def(
           "validate", [](const QuantizedOptions& o) { hooks::validate(o); },
           "Raises ValueError naming a bad option.");

@@ -526,12 +526,16 @@ at::Tensor run_step(const ddpx::hooks::CommHookPtr& hook, const at::Tensor& buff
   return buffer;
 }
 
-class QuantizedHookWorld : public ::testing::TestWithParam<std::tuple<int, int>> {};
+using ddpx::comm::ExchangeMode;
+
+class QuantizedHookWorld : public ::testing::TestWithParam<std::tuple<int, int, ExchangeMode>> {};
 
 TEST_P(QuantizedHookWorld, EveryRankSameBitsAndErrorFeedbackConverges) {
   const int world = std::get<0>(GetParam());
   const int bits = std::get<1>(GetParam());
-  const int64_t n = 1003, block = 64;
+  QuantizedOptions o = options(bits, 64);
+  o.exchange = std::get<2>(GetParam());
+  const int64_t n = 1003;
   // 1 bit: the sign compressor contracts a block only by about (mean|v|)^2 / mean(v^2), so its
   // residuals grow to tens of gradients before they settle, and its average needs hundreds of
   // steps to enter the 1 / T regime (a numpy model of the two levels behaves the same). Its
@@ -540,7 +544,7 @@ TEST_P(QuantizedHookWorld, EveryRankSameBitsAndErrorFeedbackConverges) {
   const int emin = bits == 1 ? -2 : -6;
   std::vector<at::Tensor> results(static_cast<size_t>(world));
   ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
-    auto state = std::make_shared<QuantizedState>(pg, options(bits, block));
+    auto state = std::make_shared<QuantizedState>(pg, o);
     auto hook = ddpx::hooks::quantized_hook(state);
     const auto params = params_of(n);
     at::Tensor sum = at::zeros({n}, at::kDouble);
@@ -566,16 +570,100 @@ TEST_P(QuantizedHookWorld, EveryRankSameBitsAndErrorFeedbackConverges) {
   // max|g| / qmax, and |g| < 8 (random_values' range): at most 8 / qmax.
   if (bits >= 2) EXPECT_LE(one_step, 8.0 / ((1 << (bits - 1)) - 1) + 1e-6);
   // T steps of a constant gradient: sent_t = v_t - e_t with v_t = g + e_{t-1}, so the sum of
-  // what is sent telescopes to T g - e_T at both levels. The average is within (|e_w| + |e_s|) / T
+  // what is sent telescopes to T g - e_T at each level (both by reduce-scatter, the one by
+  // all-gather). The average is within (|e_w| + |e_s|) / T
   // of the mean: it shrinks as 1 / T (a quarter of the steps: about 4 times the error), where
   // without error feedback it would stay at the one-step error.
   EXPECT_LE(at_end, at_quarter / 2.5 + 1e-6) << "one step " << one_step;
   if (bits >= 2) EXPECT_LE(at_end, 8.0 * 4 / steps + 1e-5) << "one step " << one_step;
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldsAndBits, QuantizedHookWorld,
-                         ::testing::Combine(::testing::Values(2, 3, 4),
-                                            ::testing::Values(8, 4, 2, 1)));
+INSTANTIATE_TEST_SUITE_P(
+    WorldsAndBits, QuantizedHookWorld,
+    ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values(8, 4, 2, 1),
+                       ::testing::Values(ExchangeMode::kAllgather, ExchangeMode::kReduceScatter)));
+
+TEST(QuantizedHook, AllgatherSumsEveryRanksMessageInRankOrder) {
+  // By all-gather a step is the kernels' composition: every rank quantizes its whole gradient
+  // plus its residual (keeping the new residual), and every rank sums the W decoded messages in
+  // rank order and scales by 1/W. On 2 ranks "auto" is the all-gather; on 3 it is asked for.
+  // Parameters of whole blocks (two of 320 values), so that the hook's blocks are the contiguous
+  // blocks of the bucket.
+  const int64_t n = 640, block = 64;
+  const int bits = 4;
+  for (const int world : {2, 3}) {
+    std::vector<std::vector<at::Tensor>> grads(static_cast<size_t>(world));
+    std::vector<at::Tensor> residuals;
+    for (int r = 0; r < world; ++r) {
+      for (int s = 0; s < 3; ++s) grads[r].push_back(normal_input(80 + 10 * r + s, n));
+      residuals.push_back(at::zeros({n}, at::kFloat));
+    }
+    std::vector<at::Tensor> expected;
+    for (int s = 0; s < 3; ++s) {
+      at::Tensor sum = at::zeros({n}, at::kFloat);
+      for (int r = 0; r < world; ++r) {
+        const at::Tensor& g = grads[static_cast<size_t>(r)][static_cast<size_t>(s)];
+        at::Tensor message = message_for(g, bits, block);
+        quantize(g, residuals[static_cast<size_t>(r)], spec(bits, block), message);
+        sum = sum + decode(message, n, bits, block);
+      }
+      expected.push_back(sum * (1.0f / static_cast<float>(world)));
+    }
+    ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+      QuantizedOptions o = options(bits, block);
+      o.exchange = world == 2 ? ExchangeMode::kAuto : ExchangeMode::kAllgather;
+      QuantizedOptions rs = o;
+      rs.exchange = ExchangeMode::kReduceScatter;
+      auto state = std::make_shared<QuantizedState>(pg, o);
+      auto other = std::make_shared<QuantizedState>(pg, rs);
+      auto hook = ddpx::hooks::quantized_hook(state);
+      auto hook_rs = ddpx::hooks::quantized_hook(other);
+      const auto params = params_of(n), params_rs = params_of(n);
+      for (int s = 0; s < 3; ++s) {
+        const at::Tensor& g = grads[static_cast<size_t>(rank)][static_cast<size_t>(s)];
+        const at::Tensor out = run_step(hook, g.clone(), params);
+        EXPECT_TRUE(at::equal(out, expected[static_cast<size_t>(s)]))
+            << world << " ranks, step " << s << ", rank " << rank;
+        // The reduce-scatter quantizes twice: other bits.
+        EXPECT_FALSE(at::equal(run_step(hook_rs, g.clone(), params_rs), out));
+      }
+      // The residual of every value, this rank's own blocks included, is the composition's.
+      const auto w = state->worker_residuals();
+      const at::Tensor& r = residuals[static_cast<size_t>(rank)];
+      EXPECT_TRUE(at::equal(w.at(0), r.narrow(0, 0, 320))) << rank;
+      EXPECT_TRUE(at::equal(w.at(1), r.narrow(0, 320, 320))) << rank;
+      for (const auto& [k, t] : state->server_residuals()) {
+        EXPECT_TRUE(at::equal(t, at::zeros_like(t))) << "no second level, parameter " << k;
+      }
+    });
+  }
+}
+
+TEST(QuantizedHook, ExchangeOptionAndOlderCheckpoints) {
+  const auto& pgs = ddpx_test::shared_gloo_world(1);
+  QuantizedOptions o = options(8, 64);
+  o.exchange = ExchangeMode::kAllreduce;
+  EXPECT_THAT(ddpx_test::value_error([&] { QuantizedState(pgs[0], o); }),
+              HasSubstr("exchange must be 'auto', 'allgather' or 'reduce_scatter', got "
+                        "'allreduce'"));
+  EXPECT_THAT(ddpx_test::value_error([&] { ddpx::hooks::parse_quantized_exchange("ring"); }),
+              HasSubstr("got 'ring'"));
+  EXPECT_EQ(ddpx::hooks::parse_quantized_exchange("allgather"), ExchangeMode::kAllgather);
+  o.exchange = ExchangeMode::kAllgather;
+  QuantizedState st(pgs[0], o);
+  auto d = st.state_dict();
+  EXPECT_EQ(d.at("exchange").toStringRef(), "allgather");
+  QuantizedState back(pgs[0], options(8, 64));
+  back.load_state_dict(d);
+  EXPECT_EQ(back.options().exchange, ExchangeMode::kAllgather);
+  // A checkpoint from before the option: its residuals came from the reduce-scatter exchange,
+  // and it resumes with it.
+  d.erase("exchange");
+  back.load_state_dict(d);
+  EXPECT_EQ(back.options().exchange, ExchangeMode::kReduceScatter);
+  d.insert("exchange", std::string("allreduce"));
+  EXPECT_THAT(ddpx_test::value_error([&] { back.load_state_dict(d); }), HasSubstr("exchange"));
+}
 
 TEST(QuantizedHook, WarmUpIsAllreduceAndCheckpointResumesBitForBit) {
   const int world = 3;

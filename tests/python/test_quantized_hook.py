@@ -53,15 +53,21 @@ def _train(rank: int, ddp: DDP, steps, dtype=torch.float32, opt=None):
     return grads
 
 
+def other_exchange(world_size: int) -> str:
+    """The exchange that "auto" does not take on world_size ranks."""
+    return "reduce_scatter" if world_size == 2 else "allgather"
+
+
 def rank_grads(rank: int, world_size: int, bits: int, dtype: torch.dtype, stochastic: bool):
     out = {}
-    for kind in ("native", "dropin", "allreduce") + (("fp16_wrap",) if dtype == torch.float32
-                                                     else ()):
+    for kind in ("native", "dropin", "allreduce", "other_exchange") + (
+            ("fp16_wrap",) if dtype == torch.float32 else ()):
         dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
         ddp = DDP(dc.make_model(dtype), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+        exchange = other_exchange(world_size) if kind == "other_exchange" else "auto"
         state = ddpx.hooks.QuantizedState(bits=bits, block_size=32, start_iter=START,
-                                          stochastic_rounding=stochastic)
-        _register(ddp, kind, state)
+                                          stochastic_rounding=stochastic, exchange=exchange)
+        _register(ddp, "native" if kind == "other_exchange" else kind, state)
         out[kind] = _train(rank, ddp, range(STEPS), dtype)
     return out
 
@@ -88,21 +94,29 @@ def test_dropin_native_and_ranks_agree(world_size, bits, dtype, stochastic):
     for rank in range(world_size):
         for step in range(STEPS):
             native = res[rank]["native"][step]
+            other = res[rank]["other_exchange"][step]
             assert native.dtype == dtype
             assert torch.equal(native, res[rank]["dropin"][step]), (rank, step)
             assert torch.equal(native, res[0]["native"][step]), (rank, step)
+            # Both exchanges give every rank the same bits.
+            assert torch.equal(other, res[0]["other_exchange"][step]), (rank, step)
             allreduce = res[rank]["allreduce"][step]
             if step < START:
                 # The warm-up is allreduce_hook's mean, bit for bit.
                 assert torch.equal(native, allreduce), (rank, step)
+                assert torch.equal(other, allreduce), (rank, step)
             elif step == START:
                 # The first quantized step (residuals still zero): near the mean, not equal to
                 # it. Relative L2 error, loose bounds of the two levels' errors. (Later steps
                 # add the residuals' changes, e_{t-1} - e_t, which the C++ tests bound.)
-                diff = (native.double() - allreduce.double()).norm().item()
-                rel = diff / allreduce.double().norm().item()
                 # Stochastic rounding trades a larger error for no bias: twice the bound.
-                assert 0 < rel <= REL_ERROR[bits] * (2 if stochastic else 1), (rank, step, rel)
+                bound = REL_ERROR[bits] * (2 if stochastic else 1)
+                for got in (native, other):
+                    diff = (got.double() - allreduce.double()).norm().item()
+                    rel = diff / allreduce.double().norm().item()
+                    assert 0 < rel <= bound, (rank, step, rel)
+                # The exchanges quantize differently (once by all-gather, twice otherwise).
+                assert not torch.equal(native, other), (rank, step)
         if "fp16_wrap" in res[rank]:
             # The wrapper quantizes the fp16 cast of the bucket: close to the fp32 hook's.
             wrapped = res[rank]["fp16_wrap"][STEPS - 1]
@@ -225,6 +239,10 @@ def rank_api(rank: int, world_size: int):
         "start": catch(lambda: ddpx.hooks.QuantizedState(start_iter=-1)),
         "str_bits": catch(lambda: ddpx.hooks.QuantizedState(bits="8")),
         "misspelt": catch(lambda: setattr(st, "bit", 4)),
+        "exchange_bad": catch(lambda: ddpx.hooks.QuantizedState(exchange="ring")),
+        "exchange_int": catch(lambda: ddpx.hooks.QuantizedState(exchange=2)),
+        "exchange_allreduce": catch(lambda: ddpx.hooks.QuantizedState(exchange="allreduce")),
+        "set_exchange_bad": catch(lambda: setattr(st, "exchange", "ring")),
         "set_bad": catch(lambda: setattr(st, "bits", 5)),
         "wrong_state": catch(lambda: ddpx.register_comm_hook(
             DDP(dc.make_model()), dist.group.WORLD, ddpx.hooks.quantized_hook)),
@@ -232,7 +250,15 @@ def rank_api(rank: int, world_size: int):
     st.bits = 4
     st.stochastic_rounding = True
     st.iter = 7
-    checks["after_set"] = (st.bits, st.stochastic_rounding, st.iter, st.state_dict()["bits"])
+    st.exchange = "reduce_scatter"
+    checks["after_set"] = (st.bits, st.stochastic_rounding, st.iter, st.state_dict()["bits"],
+                           st.exchange, st.state_dict()["exchange"])
+    checks["pickled_exchange"] = pickle.loads(pickle.dumps(st)).exchange
+    old = st.state_dict()
+    del old["exchange"]
+    st.exchange = "allgather"
+    st.load_state_dict(old)
+    checks["older_checkpoint"] = st.exchange
     return checks
 
 
@@ -240,10 +266,10 @@ def test_state_api_follows_torchs_conventions():
     (c,) = run_ranks(rank_api, 1)
     params = inspect.signature(ddpx.hooks.QuantizedState).parameters
     assert list(params) == ["process_group", "bits", "block_size", "use_error_feedback",
-                            "start_iter", "random_seed", "stochastic_rounding"]
-    assert [p.default for p in params.values()] == [None, 8, 256, True, 10, 0, False]
+                            "start_iter", "random_seed", "stochastic_rounding", "exchange"]
+    assert [p.default for p in params.values()] == [None, 8, 256, True, 10, 0, False, "auto"]
     assert c["slots"] == ["process_group", "bits", "block_size", "use_error_feedback",
-                          "start_iter", "random_seed", "stochastic_rounding", "iter"]
+                          "start_iter", "random_seed", "stochastic_rounding", "exchange", "iter"]
     assert c["no_dict"]
     assert "bits=8" in c["repr"]
     for key, kind, text in [("bits3", "ValueError", "bits must be 1, 2, 4 or 8, got 3"),
@@ -252,9 +278,16 @@ def test_state_api_follows_torchs_conventions():
                             ("str_bits", "TypeError", "bits must be an int"),
                             ("misspelt", "AttributeError", "bit"),
                             ("set_bad", "ValueError", "got 5"),
+                            ("exchange_bad", "ValueError", "exchange must be one of"),
+                            ("exchange_int", "TypeError", "exchange must be a str"),
+                            ("exchange_allreduce", "ValueError", "got 'allreduce'"),
+                            ("set_exchange_bad", "ValueError", "got 'ring'"),
                             ("wrong_state", "TypeError", "QuantizedState")]:
         assert c[key] is not None and c[key][0] == kind and text in c[key][1], (key, c[key])
-    assert c["after_set"] == (4, True, 7, 4)
+    assert c["after_set"] == (4, True, 7, 4, "reduce_scatter", "reduce_scatter")
+    assert c["pickled_exchange"] == "reduce_scatter"
+    # A checkpoint from before the option resumes with the exchange it was taken with.
+    assert c["older_checkpoint"] == "reduce_scatter"
     assert list(inspect.signature(ddpx.hooks.quantized_hook).parameters) == ["state", "bucket"]
 
 

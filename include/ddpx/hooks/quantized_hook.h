@@ -17,10 +17,18 @@
 // block. Before start_iter the hook averages with a plain allreduce (allreduce_hook's result).
 // Step 4 of a bucket is issued from the next runHook (comm::DeferredCollective), so every rank
 // issues the collectives in one order whatever the timing.
+//
+// The all-gather exchange (QuantizedOptions::exchange; the default on 2 ranks): every rank adds
+// its residual to its whole bucket, quantizes it into one message, sends that to every other
+// rank (one all-to-all), and sums all W dequantized messages in fp32 in rank order: one round,
+// one level of quantization error and of error feedback, (W - 1) * n * bits / 8 bytes per rank.
+// On 2 ranks that is the reduce-scatter's count, in one round instead of two and with one
+// quantization of each value instead of two.
 #pragma once
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
+#include <ddpx/comm/exchange_mode.h>
 #include <ddpx/hooks/comm_hook.h>
 
 #include <cstdint>
@@ -48,7 +56,14 @@ struct QuantizedOptions {
   int64_t random_seed = 0;
   // Round stochastically (unbiased) instead of to nearest.
   bool stochastic_rounding = false;
+  // How buckets travel: kReduceScatter (the two rounds above), kAllgather (one round, every rank
+  // sums every message), or kAuto: kAllgather on 2 ranks, where both send the same bytes,
+  // kReduceScatter on more. kAllreduce is refused (a backend cannot sum quantized blocks).
+  comm::ExchangeMode exchange = comm::ExchangeMode::kAuto;
 };
+
+// "auto", "allgather" or "reduce_scatter" to the mode; c10::ValueError for anything else.
+comm::ExchangeMode parse_quantized_exchange(const std::string& name);
 
 // Throws c10::ValueError naming the bad option.
 void validate(const QuantizedOptions& options);
@@ -90,7 +105,7 @@ class QuantizedState {
   // Counts one iteration on the last bucket of a backward pass.
   void maybe_increase_iter(bool bucket_is_last);
 
-  // {"format", the options, "iter", "rank", "world_size", "worker_residuals",
+  // {"format", the options ("exchange" by name), "iter", "rank", "world_size", "worker_residuals",
   // "server_residuals"}: the residuals per parameter key as CPU fp32 tensors (the owner-level
   // ones zero outside the values this rank owns). No process group.
   c10::impl::GenericDict state_dict() const;

@@ -25,8 +25,9 @@ _WHO = "QuantizedState"
 _check_int = functools.partial(check_int, _WHO)
 
 _OPTION_NAMES = ("bits", "block_size", "use_error_feedback", "start_iter", "random_seed",
-                 "stochastic_rounding")
+                 "stochastic_rounding", "exchange")
 _BOOL_OPTIONS = ("use_error_feedback", "stochastic_rounding")
+_EXCHANGES = ("auto", "allgather", "reduce_scatter")
 
 
 def _options(**values: Any) -> "_C.QuantizedOptions":
@@ -61,16 +62,26 @@ class QuantizedState(NativeState):
         stochastic_rounding: round to one of the two nearest levels with the probabilities that
             make the result unbiased, instead of to the nearest (needed for training without
             error feedback at low bit widths).
+        exchange: how a bucket travels: ``"reduce_scatter"`` (two rounds, two levels of error
+            feedback; below), ``"allgather"`` (one round, one level), or ``"auto"``: all-gather on
+            2 ranks, where both send the same bytes, reduce-scatter on more, where it sends
+            fewer.
 
-    How a bucket of ``n`` values travels on ``W`` ranks: each rank quantizes (bucket + residual) per
-    block and sends block chunk ``j`` to rank ``j`` (one all-to-all); the owner of a chunk sums the
-    ``W - 1`` dequantized pieces and its own values (exact: they cross no wire) in fp32 in rank
-    order, divides by ``W``, adds its own second residual, quantizes the mean again (two-level error
-    feedback, as DeepSpeed's 1-bit Adam) and sends it to every rank (a second all-to-all), which
-    dequantize it into the bucket. Every rank ends with the same bits; each puts about
+    How a bucket of ``n`` values travels on ``W`` ranks by reduce-scatter: each rank quantizes
+    (bucket + residual) per block and sends block chunk ``j`` to rank ``j`` (one all-to-all); the
+    owner of a chunk sums the ``W - 1`` dequantized pieces and its own values (exact: they cross
+    no wire) in fp32 in rank order, divides by ``W``, adds its own second residual, quantizes the
+    mean again (two-level error feedback, as DeepSpeed's 1-bit Adam) and sends it to every rank
+    (a second all-to-all), which dequantize it into the bucket. Every rank ends with the same bits; each puts about
     ``2 (W - 1) / W * n * bits / 8`` bytes on the wire, plus the scales. The second collective of a
     bucket is issued from the next bucket's hook call, so the collective order is the same on every
     rank.
+
+    By all-gather: each rank quantizes its whole (bucket + residual) and sends it to every other
+    rank (one all-to-all); every rank sums the ``W`` dequantized messages in fp32 in rank order
+    and divides by ``W``. One quantization of each value and one round, ``(W - 1) * n * bits /
+    8`` bytes per rank: on 2 ranks the reduce-scatter's count, which is why ``"auto"`` takes it
+    there. Checkpoints saved before this option existed resume with ``"reduce_scatter"``.
 
     A block holding a NaN or an infinity arrives as NaN on every rank (never as a finite
     value), and its residuals restart at zero (so one bad step, the one a GradScaler skips,
@@ -97,10 +108,11 @@ class QuantizedState(NativeState):
         start_iter: int = 10,
         random_seed: int = 0,
         stochastic_rounding: bool = False,
+        exchange: str = "auto",
     ):
         opts = _options(bits=bits, block_size=block_size, use_error_feedback=use_error_feedback,
                         start_iter=start_iter, random_seed=random_seed,
-                        stochastic_rounding=stochastic_rounding)
+                        stochastic_rounding=stochastic_rounding, exchange=exchange)
         self._process_group = process_group
         self._cpp = _C.QuantizedState(resolve_group(process_group, _WHO), opts)
 
@@ -147,7 +159,7 @@ class QuantizedState(NativeState):
         self._process_group = None
         self._cpp = _C.QuantizedState(
             resolve_group(None, _WHO),
-            _options(**{name: state[name] for name in _OPTION_NAMES}))
+            _options(**{name: state[name] for name in _OPTION_NAMES if name in state}))
         # A pickled state is loaded where it is unpickled, on purpose.
         self._cpp.load_state_dict(state, allow_reshard=True)
 
@@ -157,6 +169,13 @@ class QuantizedState(NativeState):
 
 
 def _convert(name: str, value: Any) -> Any:
+    if name == "exchange":
+        if not isinstance(value, str):
+            raise TypeError(f"{_WHO}: exchange must be a str, got {type(value).__name__}")
+        if value not in _EXCHANGES:
+            raise ValueError(f"{_WHO}: exchange must be one of {', '.join(map(repr, _EXCHANGES))}"
+                             f", got {value!r}")
+        return value
     return bool(value) if name in _BOOL_OPTIONS else _check_int(name, value)
 
 
