@@ -72,10 +72,10 @@ class QuantizedState(NativeState):
     owner of a chunk sums the ``W - 1`` dequantized pieces and its own values (exact: they cross
     no wire) in fp32 in rank order, divides by ``W``, adds its own second residual, quantizes the
     mean again (two-level error feedback, as DeepSpeed's 1-bit Adam) and sends it to every rank
-    (a second all-to-all), which dequantize it into the bucket. Every rank ends with the same bits; each puts about
-    ``2 (W - 1) / W * n * bits / 8`` bytes on the wire, plus the scales. The second collective of a
-    bucket is issued from the next bucket's hook call, so the collective order is the same on every
-    rank.
+    (a second all-to-all), which dequantize it into the bucket. Every rank ends with the same
+    bits; each puts about ``2 (W - 1) / W * n * bits / 8`` bytes on the wire, plus the scales. The
+    second collective of a bucket is issued from the next bucket's hook call, so the collective
+    order is the same on every rank.
 
     By all-gather: each rank quantizes its whole (bucket + residual) and sends it to every other
     rank (one all-to-all); every rank sums the ``W`` dequantized messages in fp32 in rank order
