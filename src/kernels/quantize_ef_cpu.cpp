@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "convert_inl.h"
@@ -85,6 +86,22 @@ void with_loader(DType t, F&& f) {
       return f(LoadBF16{});
   }
   bad_dtype(t);
+}
+
+// Calls f(std::integral_constant<int, B>{}) for the width B == bits (8, 4, 2 or 1).
+template <typename F>
+void with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 8:
+      return f(std::integral_constant<int, 8>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+  }
+  throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
 }
 
 // Packs the codes of one block (PER = 8 / BITS to a byte, little end first).
@@ -436,17 +453,10 @@ template <typename Store>
 void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* refs, int64_t first,
                        int64_t last, int bits, int64_t block, Store store,
                        float* direct = nullptr) {
-  switch (bits) {
-    case 8:
-      return dequantize_blocks_fixed<8>(message, blocks, refs, first, last, block, store, direct);
-    case 4:
-      return dequantize_blocks_fixed<4>(message, blocks, refs, first, last, block, store, direct);
-    case 2:
-      return dequantize_blocks_fixed<2>(message, blocks, refs, first, last, block, store, direct);
-    case 1:
-      return dequantize_blocks_fixed<1>(message, blocks, refs, first, last, block, store, direct);
-  }
-  throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
+  with_bits(bits, [&](auto b) {
+    dequantize_blocks_fixed<decltype(b)::value>(message, blocks, refs, first, last, block, store,
+                                                direct);
+  });
 }
 
 // dequantize_sum_blocks_cpu for one width, the exact term's values loaded by L. Block by block:
@@ -492,17 +502,9 @@ template <typename L>
 void quantize_blocks_any(int bits, const typename L::T* x, float* residual, const BlockRef* refs,
                          int64_t first, int64_t last, const QuantSpec& spec, float* scales,
                          uint8_t* codes) {
-  switch (bits) {
-    case 8:
-      return quantize_blocks<8, L>(x, residual, refs, first, last, spec, scales, codes);
-    case 4:
-      return quantize_blocks<4, L>(x, residual, refs, first, last, spec, scales, codes);
-    case 2:
-      return quantize_blocks<2, L>(x, residual, refs, first, last, spec, scales, codes);
-    case 1:
-      return quantize_blocks<1, L>(x, residual, refs, first, last, spec, scales, codes);
-  }
-  throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
+  with_bits(bits, [&](auto b) {
+    quantize_blocks<decltype(b)::value, L>(x, residual, refs, first, last, spec, scales, codes);
+  });
 }
 
 }  // namespace
@@ -535,22 +537,10 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
     throw std::invalid_argument("ddpx quantize_ef kernels: the exact term's row is out of range");
   }
   with_loader(exact.x != nullptr ? exact.t : DType::kFloat32, [&](auto loader) {
-    using L = decltype(loader);
-    switch (bits) {
-      case 8:
-        return sum_blocks<8, L>(messages, count, message_bytes, blocks, refs, first, last, block,
-                                post_scale, dst, exact);
-      case 4:
-        return sum_blocks<4, L>(messages, count, message_bytes, blocks, refs, first, last, block,
-                                post_scale, dst, exact);
-      case 2:
-        return sum_blocks<2, L>(messages, count, message_bytes, blocks, refs, first, last, block,
-                                post_scale, dst, exact);
-      case 1:
-        return sum_blocks<1, L>(messages, count, message_bytes, blocks, refs, first, last, block,
-                                post_scale, dst, exact);
-    }
-    throw std::invalid_argument("ddpx quantize_ef kernels: bits must be 1, 2, 4 or 8");
+    with_bits(bits, [&](auto b) {
+      sum_blocks<decltype(b)::value, decltype(loader)>(messages, count, message_bytes, blocks, refs,
+                                                       first, last, block, post_scale, dst, exact);
+    });
   });
 }
 
