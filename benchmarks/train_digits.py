@@ -196,10 +196,14 @@ def _quantized_blocks(b: Bucket, block_size: int) -> int:
 
 def wire_quantized(bits: int, block_size: int = 256) -> Callable[[List[Bucket], WireContext],
                                                                   float]:
-    """ddpx quantized_hook on a quantized step: reduce-scatter style (the codes and the block
-    scales to the owners, the owners' re-quantized means back), 2(W-1)/W x (numel x bits/8 + 4 x
-    blocks) per bucket."""
+    """ddpx quantized_hook on a quantized step, exchange "auto": on 3 or more ranks reduce-scatter
+    style (the codes and the block scales to the owners, the owners' re-quantized means back),
+    2(W-1)/W x (numel x bits/8 + 4 x blocks) per bucket; on 2 ranks the all-gather, (W-1) x the
+    same, the same count there."""
     def wire(buckets: List[Bucket], ctx: WireContext) -> float:
+        if ctx.world == 2:
+            return sum(allgather_bytes(b.numel * bits / 8 + 4 * _quantized_blocks(b, block_size),
+                                       1, ctx.world) for b in buckets)
         return sum(ring_allreduce_bytes(1, b.numel * bits / 8 + 4 * _quantized_blocks(
             b, block_size), ctx.world) for b in buckets)
     wire.__doc__ = WIRE_QUANTIZED_TEXT
@@ -209,7 +213,8 @@ def wire_quantized(bits: int, block_size: int = 256) -> Callable[[List[Bucket], 
 WIRE_QUANTIZED_TEXT = (
     "ddpx quantized_hook (b bits, blocks of 256 values cut per parameter), a quantized step: "
     "2(W-1)/W x (numel x b/8 + 4 B x blocks), the codes and block scales sent to each chunk's "
-    "owner and the owner's re-quantized mean sent back")
+    "owner and the owner's re-quantized mean sent back; on 2 ranks (the all-gather exchange) "
+    "(W-1) x (numel x b/8 + 4 B x blocks), the same count")
 
 
 def wire_torch_quantization(channel: int) -> Callable[[List[Bucket], WireContext], float]:
