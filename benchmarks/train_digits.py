@@ -82,6 +82,8 @@ class WireContext:
     # ZeroRedundancyOptimizer rows: bytes of the parameters each rank owns (updates and
     # broadcasts), from the local optimizer's param_groups, one entry per rank.
     zero_shard_bytes: Optional[List[int]] = None
+    # quantized_hook rows: the exchange they were asked for (--quantized-exchange).
+    quantized_exchange: str = "auto"
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -201,7 +203,9 @@ def wire_quantized(bits: int, block_size: int = 256) -> Callable[[List[Bucket], 
     2(W-1)/W x (numel x bits/8 + 4 x blocks) per bucket; on 2 ranks the all-gather, (W-1) x the
     same, the same count there."""
     def wire(buckets: List[Bucket], ctx: WireContext) -> float:
-        if ctx.world == 2:
+        gather = ctx.quantized_exchange == "allgather" or (
+            ctx.quantized_exchange == "auto" and ctx.world == 2)
+        if gather:
             return sum(allgather_bytes(b.numel * bits / 8 + 4 * _quantized_blocks(b, block_size),
                                        1, ctx.world) for b in buckets)
         return sum(ring_allreduce_bytes(1, b.numel * bits / 8 + 4 * _quantized_blocks(
@@ -354,12 +358,15 @@ def quantized(registration: str, bits: int, error_feedback: bool = True,
               stochastic: bool = False) -> Config:
     """A ddpx quantized_hook row: QuantizedState(bits=bits, use_error_feedback=error_feedback,
     stochastic_rounding=stochastic, start_iter=--quantized-start, random_seed=0), blocks of 256
-    (the default); a fresh state per run."""
+    (the default), the exchange --quantized-exchange when it is not "auto" (an older ddpx has no
+    such option); a fresh state per run."""
     def state(args: argparse.Namespace) -> Any:
+        extra = {} if args.quantized_exchange == "auto" else {
+            "exchange": args.quantized_exchange}
         return H.QuantizedState(process_group=None, bits=bits,
                                 use_error_feedback=error_feedback,
                                 start_iter=args.quantized_start, random_seed=0,
-                                stochastic_rounding=stochastic)
+                                stochastic_rounding=stochastic, **extra)
 
     reg = (drop_in if registration == "drop-in" else native)(H.quantized_hook, state)
     name = f"ddpx quantized_hook {bits} bit{'s' if bits > 1 else ''}"
@@ -1134,7 +1141,8 @@ def render_markdown(rows, meta) -> str:
     if meta.get("quantized_start") is not None:
         lines.append(
             f"- quantized_hook rows: QuantizedState(bits, use_error_feedback, start_iter = "
-            f"{meta['quantized_start']}), block_size 256, nearest rounding unless the row says "
+            f"{meta['quantized_start']}, exchange = {meta.get('quantized_exchange', 'auto')!r}), "
+            "block_size 256, nearest rounding unless the row says "
             "stochastic; plain fp32 allreduce "
             "for the first start_iter steps, so the bytes/step and compression above are those "
             "of a quantized step (the whole-run mean is in results.json). torch's quantization "
@@ -1326,6 +1334,10 @@ def parse_args(argv=None, extend: Optional[Callable[[argparse.ArgumentParser], N
                    help="start_powerSGD_iter of the PowerSGD rows (default: 15%% of the steps)")
     p.add_argument("--quantized-start", type=int, default=None,
                    help="quantized_hook's start_iter (default: as --powersgd-start)")
+    p.add_argument("--quantized-exchange", default="auto",
+                   choices=["auto", "allgather", "reduce_scatter"],
+                   help="quantized_hook's exchange (auto: all-gather on 2 ranks, reduce-scatter "
+                   "on more)")
     p.add_argument("--localsgd-start", type=int, default=None,
                    help="start_localSGD_iter (= the averager's warmup_steps) of the post-local "
                    "SGD rows (default: about 20%% of the steps, moved up by at most period-1 "
@@ -1432,7 +1444,8 @@ def main(argv=None, make_task: Callable[[Any], Task] = digits_task,
         # test scores are then the averaged model, identical on every rank).
         s0 = max(1, round(0.2 * steps))
         args.localsgd_start = s0 + (steps - 1 - s0) % args.localsgd_period
-    ctx = WireContext(world=world, backend=backend, device=device)
+    ctx = WireContext(world=world, backend=backend, device=device,
+                      quantized_exchange=args.quantized_exchange)
     log(f"{task.title}: {world} ranks, backend {backend}, device {device.type}, torch "
         f"{torch.__version__}, {n_params:,} parameters, {len(data[0])} train / "
         f"{len(data[2])} test samples, {steps} steps, ddpx from {os.path.dirname(ddpx.__file__)}")
@@ -1559,6 +1572,7 @@ def main(argv=None, make_task: Callable[[Any], Task] = digits_task,
             powersgd_start=(args.powersgd_start if any(c.powersgd for c in configs) else None),
             quantized_start=(args.quantized_start if any(c.quantized for c in configs)
                              else None),
+            quantized_exchange=args.quantized_exchange,
             warmup_steps=ok[0]["warmup_steps"] if ok else args.warmup_steps,
             steps_per_config=ok[0]["steps"] if ok else 0,
             buckets=", ".join(f"{b['numel']:,} {b['dtype'].replace('torch.', '')}"

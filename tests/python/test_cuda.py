@@ -274,9 +274,11 @@ def test_cuda_functional_optim(name, dtype):
 
 # ---- quantized_hook on CUDA buckets -----------------------------------------------------------
 
-def rank_quantized_cuda(rank: int, world_size: int, bits: int):
+def rank_quantized_cuda(rank: int, world_size: int, bits: int, exchange: str, ef: bool):
     """quantized_hook on a CUDA model over Gloo (2 ranks sharing the GPU): the CUDA kernels and
-    the device block tables. The exact mean of the local gradients is the reference."""
+    the device block tables, by either exchange (the all-gather is "auto" on 2 ranks); without
+    error feedback at 2 bits, the fitted codes. The exact mean of the local gradients is the
+    reference."""
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
@@ -284,7 +286,8 @@ def rank_quantized_cuda(rank: int, world_size: int, bits: int):
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(300, 500), nn.Tanh(), nn.Linear(500, 10)).cuda(),
               device_ids=[0])
-    state = ddpx.hooks.QuantizedState(bits=bits, block_size=64, start_iter=0)
+    state = ddpx.hooks.QuantizedState(bits=bits, block_size=64, start_iter=0,
+                                      use_error_feedback=ef, exchange=exchange)
     ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
     out = []
     for step in range(3):
@@ -300,14 +303,17 @@ def rank_quantized_cuda(rank: int, world_size: int, bits: int):
     return out, residuals
 
 
-@pytest.mark.parametrize("bits", [8, 1])
-def test_quantized_hook_on_cuda(bits):
-    res = run_ranks(rank_quantized_cuda, 2, args=(bits,), timeout=300)
+@pytest.mark.parametrize("bits,exchange,ef", [(8, "auto", True), (1, "auto", True),
+                                               (8, "reduce_scatter", True),
+                                               (2, "auto", False)])
+def test_quantized_hook_on_cuda(bits, exchange, ef):
+    res = run_ranks(rank_quantized_cuda, 2, args=(bits, exchange, ef), timeout=300)
     for step in range(3):
         exact = (res[0][0][step][0] + res[1][0][step][0]) / 2
         got = [res[r][0][step][1] for r in range(2)]
         assert torch.equal(got[0], got[1]), step  # every rank the same bits
         if step == 0:  # the first step: within the two quantizations' error
             rel = ((got[0] - exact).norm() / exact.norm()).item()
-            assert 0 < rel <= (0.05 if bits == 8 else 2.0), rel
-    assert set(res[0][1].values()) == {"cpu"}  # worker_residuals() returns CPU copies
+            assert 0 < rel <= {8: 0.05, 2: 1.0, 1: 2.0}[bits], rel
+    if ef:
+        assert set(res[0][1].values()) == {"cpu"}  # worker_residuals() returns CPU copies
