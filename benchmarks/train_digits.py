@@ -1296,9 +1296,15 @@ def plot_curves(rows, path: str, steps_per_epoch: int, title: str) -> None:
         ax.plot(bx, by, color="0.6", linewidth=2.5, label=f"{base['hook']}")
         mine = [r for r in rest if family_of(r["hook"]) == fam]
         for i, r in enumerate(mine):
+            style = dict(linestyle=styles[i % 4], linewidth=1.3, color=plt.cm.tab10(i % 10))
+            if not math.isfinite(r.get("final_loss", math.nan)):
+                # A diverged run's loss climbs by many orders of magnitude before it turns NaN
+                # and would flatten every other curve of its panel: in the legend only.
+                ax.plot([], [], label=f"{r['hook']} ({r['registration']})\n  diverged, not drawn",
+                        **style)
+                continue
             x, y = _smoothed_loss(r, win)
-            ax.plot(x, y, linestyle=styles[i % 4], linewidth=1.3, color=plt.cm.tab10(i % 10),
-                    label=f"{r['hook']} ({r['registration']})")
+            ax.plot(x, y, label=f"{r['hook']} ({r['registration']})", **style)
         ax.set_title(fam, fontsize=10)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
