@@ -114,7 +114,9 @@ class QuantizedState {
   // group of another size is a c10::ValueError unless `allow_reshard`.
   void load_state_dict(const c10::impl::GenericDict& state, bool allow_reshard = false);
 
-  // The residuals per parameter key, as state_dict() saves them (copies).
+  // The residuals per parameter key, as state_dict() saves them (copies). By all-gather there is
+  // no owner level: the server residuals stay as a reduce-scatter layout left them (zeros if
+  // none), and the worker residuals cover every value, this rank's own blocks included.
   std::map<int64_t, at::Tensor> worker_residuals() const;
   std::map<int64_t, at::Tensor> server_residuals() const;
   // Forgets every residual: the next step starts from zero, as the first quantized step does.
