@@ -469,12 +469,11 @@ FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
     recv = rows;
   }
   auto work = compat::all_to_all_single(*pg, recv, send, splits, splits);
-  const bool own_send = world != 2;
   const int bits = spec.bits;
   const int64_t block = spec.block;
   return comm::future_of(*work, buffer.device())
       ->then(
-          [rows, send, own_send, buffer, layout, bits, block](c10::ivalue::Future& f) {
+          [rows, send, buffer, layout, bits, block](c10::ivalue::Future& f) {
             f.value();  // rethrows a failed collective
             const detail::QuantLayout& L = *layout;
             auto& pool = comm::StagingPool::instance();
@@ -491,7 +490,7 @@ FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
             }
             comm::keep_until_current_stream_done(rows);
             pool.release(rows);
-            if (own_send) {
+            if (L.world != 2) {  // a buffer of its own (on 2 ranks a view of `rows`)
               comm::keep_until_current_stream_done(send);
               pool.release(send);
             }

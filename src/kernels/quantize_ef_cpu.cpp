@@ -120,11 +120,6 @@ inline void pack_codes(const uint8_t* code, int64_t block_bytes, uint8_t* out) {
   }
 }
 
-template <int BITS>
-inline float decode_fixed(uint32_t code, float scale) {
-  return detail::decode(code, scale, BITS);  // BITS a constant: the branches fold away
-}
-
 #if DDPX_QEF_VECTOR_ENCODE
 // The nearest-level codes of a block of `len` values (a multiple of 8), packed straight into
 // `out` (block_bytes; the bytes past the block's codes zeroed), and the new residual when `rb`
@@ -319,7 +314,7 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
       }
       if (rb) {
         for (int64_t i = 0; i < len; ++i) {
-          rb[i] = detail::q_add(vb[i], -decode_fixed<BITS>(cv[i], scale));
+          rb[i] = detail::q_add(vb[i], -detail::decode(cv[i], scale, BITS));
         }
       }
     } else if (BITS == 1) {
@@ -376,14 +371,14 @@ inline void decode_block(const uint8_t* cb, float scale, int64_t len, float* db)
       std::memcpy(db + g * 8, &out, sizeof(out));
     }
 #else
-    for (int64_t j = 0; j < len; ++j) db[j] = decode_fixed<8>(cb[j], scale);
+    for (int64_t j = 0; j < len; ++j) db[j] = detail::decode(cb[j], scale, 8);
 #endif
   } else {
     // Eight codes at a time from the BITS bytes that hold them: one word, broadcast to eight
     // lanes, each shifted by its own constant, masked, decoded, stored as one vector (GCC's
     // vector extensions: an AVX2 register in the AVX2 clone, two SSE2 ones in the baseline).
     // Written out because GCC vectorises the plain loop across groups instead, with a scalar
-    // store per value. The arithmetic is decode_fixed's: the sign select for 1 bit, one
+    // store per value. The arithmetic is detail::decode's: the sign select for 1 bit, one
     // product (no fma: -ffp-contract=off) otherwise. A block is a multiple of 8 values, so
     // whole groups never read past its codes.
     const int64_t groups = (len + 7) / 8;
@@ -421,7 +416,7 @@ inline void decode_block(const uint8_t* cb, float scale, int64_t len, float* db)
       uint32_t w = 0;
       for (int k = 0; k < BITS; ++k) w |= static_cast<uint32_t>(src[k]) << (8 * k);
       float* o = db + g * 8;
-      for (int k = 0; k < 8; ++k) o[k] = decode_fixed<BITS>((w >> (k * BITS)) & kMask, scale);
+      for (int k = 0; k < 8; ++k) o[k] = detail::decode((w >> (k * BITS)) & kMask, scale, BITS);
     }
 #endif
   }

@@ -658,7 +658,7 @@ TEST(QuantizedHook, ExchangeOptionAndOlderCheckpoints) {
   EXPECT_EQ(back.options().exchange, ExchangeMode::kAllgather);
   // A checkpoint from before the option: its residuals came from the reduce-scatter exchange,
   // and it resumes with it.
-  d.erase("exchange");
+  EXPECT_EQ(d.erase("exchange"), 1u);
   back.load_state_dict(d);
   EXPECT_EQ(back.options().exchange, ExchangeMode::kReduceScatter);
   d.insert("exchange", std::string("allreduce"));
