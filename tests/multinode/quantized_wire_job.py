@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,12 @@ def main() -> int:
     before = tx_bytes()
     for _ in range(args.steps):
         step()
+    # A collective returns once its bytes are in the kernel's socket buffers, not on the link: on
+    # 2 ranks the last step's all-gather ends, for the rank whose message arrives first, with up
+    # to a socket buffer of its own message still queued (one rank read 5% short). The barrier
+    # and a pause let the queue drain before the counter is read.
+    dist.barrier()
+    time.sleep(0.2)
     sent = (tx_bytes() - before) / args.steps
     # What the format puts in every message: per block one fp32 scale and block * bits / 8 bytes
     # of codes; over the two all-to-alls each rank sends on average 2 (W - 1) / W of it all.
