@@ -1,8 +1,9 @@
 """quantized_hook's bytes on a real link: each node's interface counter, read inside the node
 over a few steps, against the bytes the hook's format accounts for, 2 (W - 1) / W times the
 messages (scales and packed codes): on 2 nodes by all-gather (one message of the whole bucket to
-the other node), on 3 by reduce-scatter, the same formula. Measured, not modelled: a hook that sent more (a fallback to
-fp32, a message sent twice, padding that grows with the model) fails here."""
+the other node), on 3 by reduce-scatter, the same formula. Measured, not modelled: a hook that
+sent more (a fallback to fp32, a message sent twice, padding that grows with the model) fails
+here."""
 import json
 import os
 
