@@ -468,7 +468,10 @@ FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
     for (int64_t r = 1; r < world; ++r) send.narrow(0, r * S, S).copy_(send.narrow(0, 0, S));
     recv = rows;
   }
-  auto work = compat::all_to_all_single(*pg, recv, send, splits, splits);
+  // Two vectors, not one passed twice: torch 1.13's Gloo moves each split list into its work,
+  // and a second reference to a moved-from vector reads as empty.
+  std::vector<int64_t> recv_splits = splits;
+  auto work = compat::all_to_all_single(*pg, recv, send, recv_splits, splits);
   const int bits = spec.bits;
   const int64_t block = spec.block;
   return comm::future_of(*work, buffer.device())
