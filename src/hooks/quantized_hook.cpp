@@ -58,11 +58,8 @@ void validate(const QuantizedOptions& o) {
                     o.block_size);
   TORCH_CHECK_VALUE(o.start_iter >= 0, kQuantizedWho, ": start_iter must be >= 0, got ",
                     o.start_iter);
-  TORCH_CHECK_VALUE(o.exchange == ExchangeMode::kAuto || o.exchange == ExchangeMode::kAllgather ||
-                        o.exchange == ExchangeMode::kReduceScatter,
-                    kQuantizedWho,
-                    ": exchange must be 'auto', 'allgather' or 'reduce_scatter', got '",
-                    comm::exchange_mode_name(o.exchange), "'");
+  // By name, so that an enum from C++ and a string from Python are refused alike.
+  (void)parse_quantized_exchange(comm::exchange_mode_name(o.exchange));
 }
 
 ExchangeMode parse_quantized_exchange(const std::string& name) {

@@ -278,7 +278,7 @@ def test_state_api_follows_torchs_conventions():
                             ("str_bits", "TypeError", "bits must be an int"),
                             ("misspelt", "AttributeError", "bit"),
                             ("set_bad", "ValueError", "got 5"),
-                            ("exchange_bad", "ValueError", "exchange must be one of"),
+                            ("exchange_bad", "ValueError", "'allgather' or 'reduce_scatter'"),
                             ("exchange_int", "TypeError", "exchange must be a str"),
                             ("exchange_allreduce", "ValueError", "got 'allreduce'"),
                             ("set_exchange_bad", "ValueError", "got 'ring'"),

@@ -27,7 +27,6 @@ _check_int = functools.partial(check_int, _WHO)
 _OPTION_NAMES = ("bits", "block_size", "use_error_feedback", "start_iter", "random_seed",
                  "stochastic_rounding", "exchange")
 _BOOL_OPTIONS = ("use_error_feedback", "stochastic_rounding")
-_EXCHANGES = ("auto", "allgather", "reduce_scatter")
 
 
 def _options(**values: Any) -> "_C.QuantizedOptions":
@@ -170,11 +169,9 @@ class QuantizedState(NativeState):
 
 def _convert(name: str, value: Any) -> Any:
     if name == "exchange":
+        # The names are checked natively (ValueError), as for the setter.
         if not isinstance(value, str):
             raise TypeError(f"{_WHO}: exchange must be a str, got {type(value).__name__}")
-        if value not in _EXCHANGES:
-            raise ValueError(f"{_WHO}: exchange must be one of {', '.join(map(repr, _EXCHANGES))}"
-                             f", got {value!r}")
         return value
     return bool(value) if name in _BOOL_OPTIONS else _check_int(name, value)
 
