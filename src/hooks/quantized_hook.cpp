@@ -46,7 +46,21 @@ kernels::QuantSpec quant_spec_of(const QuantizedOptions& o, uint64_t stream) {
   spec.fitted_ternary = !o.use_error_feedback;
   spec.seed = static_cast<uint64_t>(o.random_seed);
   spec.stream = stream;
+  spec.rotate = rotates(o);
+  spec.unbiased_sign = spec.rotate && !o.use_error_feedback;
   return spec;
+}
+
+// How a receiver rotates back the messages of a spec made by quant_spec_of: term t of the sum
+// came from stream stream0 + t * step (quant_stream_id is linear in the rank: step 1 for
+// messages in rank order, 0 for the owners' means, which all use rank 0's stream).
+kernels::Unrotate unrotate_of(const kernels::QuantSpec& spec, uint64_t stream0, uint64_t step) {
+  kernels::Unrotate u;
+  u.on = spec.rotate;
+  u.seed = spec.seed;
+  u.stream0 = stream0;
+  u.stream_step = step;
+  return u;
 }
 }  // namespace
 
@@ -60,6 +74,40 @@ void validate(const QuantizedOptions& o) {
                     o.start_iter);
   // By name, so that an enum from C++ and a string from Python are refused alike.
   (void)parse_quantized_exchange(comm::exchange_mode_name(o.exchange));
+  (void)parse_quantized_rotation(quantized_rotation_name(o.rotation));
+  TORCH_CHECK_VALUE(
+      o.rotation != QuantRotation::kHadamard || kernels::rotation_block_ok(o.block_size),
+      kQuantizedWho,
+      ": rotation='hadamard' needs a block_size that is a power of "
+      "two in [8, 8192], got ",
+      o.block_size);
+}
+
+QuantRotation parse_quantized_rotation(const std::string& name) {
+  if (name == "auto") return QuantRotation::kAuto;
+  if (name == "hadamard") return QuantRotation::kHadamard;
+  if (name == "none") return QuantRotation::kNone;
+  TORCH_CHECK_VALUE(false, kQuantizedWho, ": rotation must be 'auto', 'hadamard' or 'none', got '",
+                    name, "'");
+}
+
+const char* quantized_rotation_name(QuantRotation rotation) {
+  switch (rotation) {
+    case QuantRotation::kAuto:
+      return "auto";
+    case QuantRotation::kHadamard:
+      return "hadamard";
+    case QuantRotation::kNone:
+      return "none";
+  }
+  return "?";
+}
+
+bool rotates(const QuantizedOptions& o) {
+  if (o.rotation == QuantRotation::kAuto) {
+    return !o.use_error_feedback && kernels::rotation_block_ok(o.block_size);
+  }
+  return o.rotation == QuantRotation::kHadamard;
 }
 
 ExchangeMode parse_quantized_exchange(const std::string& name) {
@@ -365,6 +413,7 @@ c10::impl::GenericDict QuantizedState::state_dict() const {
   d.insert("random_seed", options_.random_seed);
   d.insert("stochastic_rounding", options_.stochastic_rounding);
   d.insert("exchange", std::string(comm::exchange_mode_name(options_.exchange)));
+  d.insert("rotation", std::string(quantized_rotation_name(options_.rotation)));
   d.insert("iter", iter_);
   // Whose residuals these are: load_state_dict refuses them on another rank.
   d.insert("rank", static_cast<int64_t>(pg_->getRank()));
@@ -391,6 +440,9 @@ void QuantizedState::load_state_dict(const c10::impl::GenericDict& d, bool allow
   // A checkpoint from before the option was taken with the reduce-scatter exchange: resume it so.
   o.exchange = in.has("exchange") ? parse_quantized_exchange(in.get_string("exchange"))
                                   : ExchangeMode::kReduceScatter;
+  // And one from before rotation existed was taken without it.
+  o.rotation = in.has("rotation") ? parse_quantized_rotation(in.get_string("rotation"))
+                                  : QuantRotation::kNone;
   validate(o);
   const int64_t iter = in.get_int("iter");
   TORCH_CHECK_VALUE(iter >= 0, "QuantizedState.load_state_dict: iter must be >= 0, got ", iter);
@@ -471,9 +523,12 @@ FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
   auto work = compat::all_to_all_single(*pg, recv, send, recv_splits, splits);
   const int bits = spec.bits;
   const int64_t block = spec.block;
+  // Row r was rotated with rank r's stream.
+  const kernels::Unrotate unrotate =
+      unrotate_of(spec, spec.stream - static_cast<uint64_t>(rank), 1);
   return comm::future_of(*work, buffer.device())
       ->then(
-          [rows, send, buffer, layout, bits, block](c10::ivalue::Future& f) {
+          [rows, send, buffer, layout, bits, block, unrotate](c10::ivalue::Future& f) {
             f.value();  // rethrows a failed collective
             const detail::QuantLayout& L = *layout;
             auto& pool = comm::StagingPool::instance();
@@ -482,7 +537,8 @@ FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
             at::Tensor sum_bytes = f32 ? at::Tensor() : pool.acquire(L.n * 4, buffer.options());
             const at::Tensor sum = f32 ? buffer : sum_bytes.view(at::kFloat);
             ops::dequantize_sum_into(rows.view({L.world, L.all_bytes}), L.all, bits, block,
-                                     1.0f / static_cast<float>(L.world), sum);
+                                     1.0f / static_cast<float>(L.world), sum, ops::ExactValues(),
+                                     unrotate);
             if (!f32) {
               buffer.copy_(sum);
               comm::keep_until_current_stream_done(sum_bytes);
@@ -564,8 +620,13 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
   // every rank. The step runs on this thread, in runHook; its callbacks hold buffers only.
   const FuturePtr result = comm::future_on(buffer);
   const kernels::QuantSpec server_spec = quant_spec_of(o, quant_stream_id(iter, 1, 0));
+  // Round one's term t is rank t's message (this rank's own values at its row, not rotated);
+  // round two's are the owners' means, all with rank 0's level-1 stream.
+  const kernels::Unrotate unrotate_one = unrotate_of(worker_spec, quant_stream_id(iter, 0, 0), 1);
+  const kernels::Unrotate unrotate_two = unrotate_of(server_spec, server_spec.stream, 0);
   comm::DeferredCollective::Step step{
-      [pg, round_one, send, recv, buffer, server, server_spec, layout, own_bytes, result] {
+      [pg, round_one, send, recv, buffer, server, server_spec, layout, own_bytes, result,
+       unrotate_one, unrotate_two] {
         const detail::QuantLayout& L = *layout;
         const comm::OnPoolStream on_side(buffer.device());
         round_one->wait();   // on CUDA: the pool stream waits for the collective
@@ -582,7 +643,7 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
           const at::Tensor mean = mean_bytes.view(at::kFloat);
           ops::ExactValues own{buffer, &L.to_owner[static_cast<size_t>(L.rank)], L.rank};
           ops::dequantize_sum_into(recv.view({world - 1, own_bytes}), L.owned, bits, block,
-                                   1.0f / static_cast<float>(world), mean, own);
+                                   1.0f / static_cast<float>(world), mean, own, unrotate_one);
           ops::quantize_ef_into(mean, server, L.owned, server_spec, send2.narrow(0, 0, own_bytes));
           for (int64_t r = 1; r < world; ++r) {
             send2.narrow(0, r * own_bytes, own_bytes).copy_(send2.narrow(0, 0, own_bytes));
@@ -599,29 +660,30 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
         std::vector<int64_t> to_all(static_cast<size_t>(world), own_bytes);
         std::vector<int64_t> from_owners = L.message_bytes;
         auto work2 = compat::all_to_all_single(*pg, recv2, send2, from_owners, to_all);
-        FuturePtr decoded =
-            comm::future_of(*work2, buffer.device())
-                ->then(
-                    [send2, recv2, buffer, layout, bits, block](c10::ivalue::Future& f) {
-                      f.value();  // rethrows a failed collective
-                      const detail::QuantLayout& L = *layout;
-                      for (int64_t j = 0, at = 0; j < L.world; ++j) {
-                        const int64_t bytes = L.message_bytes[static_cast<size_t>(j)];
-                        if (bytes > 0) {
-                          ops::dequantize_into(recv2.narrow(0, at, bytes),
-                                               L.to_owner[static_cast<size_t>(j)], bits, block,
-                                               buffer);
-                        }
-                        at += bytes;
-                      }
-                      comm::keep_until_current_stream_done(send2);
-                      comm::keep_until_current_stream_done(recv2);
-                      auto& pool = comm::StagingPool::instance();
-                      pool.release(send2);
-                      pool.release(recv2);
-                      return c10::IValue(buffer);
-                    },
-                    c10::TensorType::get());
+        FuturePtr decoded = comm::future_of(*work2, buffer.device())
+                                ->then(
+                                    [send2, recv2, buffer, layout, bits, block,
+                                     unrotate_two](c10::ivalue::Future& f) {
+                                      f.value();  // rethrows a failed collective
+                                      const detail::QuantLayout& L = *layout;
+                                      for (int64_t j = 0, at = 0; j < L.world; ++j) {
+                                        const int64_t bytes =
+                                            L.message_bytes[static_cast<size_t>(j)];
+                                        if (bytes > 0) {
+                                          ops::dequantize_into(recv2.narrow(0, at, bytes),
+                                                               L.to_owner[static_cast<size_t>(j)],
+                                                               bits, block, buffer, unrotate_two);
+                                        }
+                                        at += bytes;
+                                      }
+                                      comm::keep_until_current_stream_done(send2);
+                                      comm::keep_until_current_stream_done(recv2);
+                                      auto& pool = comm::StagingPool::instance();
+                                      pool.release(send2);
+                                      pool.release(recv2);
+                                      return c10::IValue(buffer);
+                                    },
+                                    c10::TensorType::get());
         c10::List<FuturePtr> parts(c10::FutureType::create(c10::TensorType::get()));
         parts.push_back(decoded);
         comm::complete_when_all_done(parts, buffer, result);

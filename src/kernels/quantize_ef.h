@@ -44,6 +44,11 @@
 // bit for bit; for 1 bit, for a fitted 2-bit value clipped from above 2 scale, and for a midrise
 // block, it is the rounded difference.
 //
+// Rotated blocks (QuantSpec::rotate): the bounds above hold for the rotated values y; the
+// decoded block is the inverse rotation of y's decoded values, so its squared error is y's (up to
+// the butterflies' rounding) and the residual is v minus that, rounded. A finite block whose
+// rotated values overflow (max|v| beyond 2^128 / 2^floor(k/2)) is sent as a non-finite one.
+//
 // Non-finite blocks: a block holding a NaN or an infinity gets scale NaN and codes 0, so it
 // dequantizes to NaN on every rank that receives it (never to a finite value), and its residual
 // is reset to 0 (a residual that kept the NaN would poison every later step; the step that saw
@@ -60,6 +65,9 @@ namespace kernels {
 
 // The bit widths quantized_hook supports.
 bool valid_quant_bits(int bits);
+// Whether blocks of `block` values can be rotated (QuantSpec::rotate): a power of two in [8,
+// 8192] (the CUDA kernels hold a block in 32 KiB of shared memory).
+bool rotation_block_ok(int64_t block);
 // Bytes of the packed codes of one block.
 int64_t packed_block_bytes(int bits, int64_t block);
 // Bytes of a message of `blocks` blocks (see above).
@@ -88,6 +96,28 @@ struct QuantSpec {
   // max|v| (see above); no effect on other widths or with stochastic rounding, which is unbiased
   // only while every value is within the scale.
   bool fitted_ternary = false;
+  // Rotate every whole block (len == block; block a power of two) before it is quantized, with
+  // the random signs of (seed, stream) (quantize_ef_inl.h): the codes and scale are those of the
+  // rotated values, which are spread evenly however the block's own values were (one large
+  // value, a sparse block), and the receiver rotates back (Unrotate). A short block goes as it
+  // is. With stochastic rounding, the rounding draws use the same (seed, stream).
+  bool rotate = false;
+  // 1 bit, rotated, nearest rounding: the unbiased scale sum y^2 / sum |y| instead of mean |y|
+  // (unbiased_sign_scale): more squared error per step, none of it a bias.
+  bool unbiased_sign = false;
+};
+
+// What the receiver of rotated messages needs to rotate them back: term t of a sum (its index in
+// the summation order, ExactTerm included) was rotated with stream stream0 + t * stream_step and
+// the seed; on == false: no message was rotated.
+struct Unrotate {
+  bool on = false;
+  uint64_t seed = 0;
+  uint64_t stream0 = 0;
+  uint64_t stream_step = 0;
+  uint64_t stream_of(int64_t term) const {
+    return stream0 + static_cast<uint64_t>(term) * stream_step;
+  }
 };
 
 // Quantizes the message blocks [first, last) of `refs` into the message (`scales`: its scale
@@ -117,13 +147,14 @@ struct ExactTerm {
 void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
                                int bits, int64_t block, float post_scale, float* dst,
-                               const ExactTerm& exact = ExactTerm());
+                               const ExactTerm& exact = ExactTerm(),
+                               const Unrotate& unrotate = Unrotate());
 
 // dst[i] = cast<dst_t>(dequantized value i) for the message blocks [first, last) of `refs`
 // (the message holds `blocks` blocks).
 void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRef* refs,
                            int64_t first, int64_t last, int bits, int64_t block, void* dst,
-                           DType dst_t);
+                           DType dst_t, const Unrotate& unrotate = Unrotate());
 
 }  // namespace kernels
 }  // namespace ddpx

@@ -176,6 +176,76 @@ inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale,
 
 #endif  // DDPX_QEF_VECTOR_ENCODE
 
+// The rotation (QuantSpec::rotate, quantize_ef_inl.h). y[i] *= +-factor, the sign D's for draw
+// index draw + i: one generator word per 64 values; the product by a power of two is exact.
+inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, uint64_t draw,
+                        float factor) {
+  for (int64_t i = 0; i < len;) {
+    const uint64_t at = draw + static_cast<uint64_t>(i);
+    const uint64_t word = detail::rotation_word(seed, stream, at >> 6);
+    const int first = static_cast<int>(at & 63);
+    const int64_t n = std::min<int64_t>(len - i, 64 - first);
+    float* yi = y + i;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const bool flip = (word >> (first + j)) & 1u;
+      yi[j] = detail::q_mul(yi[j], flip ? -factor : factor);
+    }
+    i += n;
+  }
+}
+
+// In place, y = H y for len = 2^k values: stages h = 1, 2, ..., len / 2, each taking the pairs
+// (i, i + h) of every group of 2h values to (a + b, a - b). The CUDA kernels run the same stages,
+// so the sums are the same. The first three stages work within groups of eight, in vector
+// shuffles (a + b * (+-1) is a + b or a - b exactly).
+inline void hadamard(float* y, int64_t len) {
+  int64_t h = 1;
+#if defined(__GNUC__)
+  if (len >= 8) {
+    const v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+    const v8f s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+    const v8f s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+    for (int64_t g = 0; g < len; g += 8) {
+      v8f v;
+      std::memcpy(&v, y + g, sizeof(v));
+      v = __builtin_shufflevector(v, v, 0, 0, 2, 2, 4, 4, 6, 6) +
+          __builtin_shufflevector(v, v, 1, 1, 3, 3, 5, 5, 7, 7) * s1;
+      v = __builtin_shufflevector(v, v, 0, 1, 0, 1, 4, 5, 4, 5) +
+          __builtin_shufflevector(v, v, 2, 3, 2, 3, 6, 7, 6, 7) * s2;
+      v = __builtin_shufflevector(v, v, 0, 1, 2, 3, 0, 1, 2, 3) +
+          __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7) * s4;
+      std::memcpy(y + g, &v, sizeof(v));
+    }
+    h = 8;
+  }
+#endif
+  for (; h < len; h *= 2) {
+    for (int64_t g = 0; g < len; g += 2 * h) {
+      float* lo = y + g;
+      float* hi = y + g + h;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        const float a = lo[i], b = hi[i];
+        lo[i] = detail::q_add(a, b);
+        hi[i] = detail::q_add(a, -b);
+      }
+    }
+  }
+}
+
+// y = c H D v (a whole block of `len` = block values).
+inline void rotate_forward(float* y, int64_t len, const QuantSpec& spec, uint64_t draw) {
+  scale_signs(y, len, spec.seed, spec.stream, draw, detail::rotation_forward_factor(len));
+  hadamard(y, len);
+}
+
+// d = 2^-floor(k/2) D H d, in place (the inverse of rotate_forward).
+inline void rotate_back(float* d, int64_t len, uint64_t seed, uint64_t stream, uint64_t draw) {
+  hadamard(d, len);
+  scale_signs(d, len, seed, stream, draw, detail::rotation_inverse_factor(len));
+}
+
 // The fitted 2-bit mode's scale of a finite block (quantize_ef.h): the ternary scale t, or -h
 // where the midrise code at half step h has the smaller squared error. Two passes over the
 // buffered values: the magnitudes above the mean (t), then the sums midrise_step compares.
@@ -242,6 +312,9 @@ inline float fitted_2bit_scale(const float* vb, int64_t len, float abssum, float
   return h > 0.0f ? -h : t;
 }
 
+template <int BITS>
+inline void decode_block(const uint8_t* cb, float scale, int64_t len, float* db);
+
 template <int BITS, typename L>
 void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* refs, int64_t first,
                      int64_t last, const QuantSpec& spec, float* scales, uint8_t* codes) {
@@ -251,9 +324,10 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
   constexpr float kQmax = BITS == 1 ? 1.0f : static_cast<float>((1 << (BITS - 1)) - 1);
   // One block's values and codes; thread_local so that threads running other block ranges of the
   // same message do not share them.
-  thread_local std::vector<float> v;
+  thread_local std::vector<float> v, y;
   thread_local std::vector<uint8_t> code;
   v.resize(static_cast<size_t>(block));
+  if (spec.rotate) y.resize(static_cast<size_t>(block));
   code.resize(static_cast<size_t>(block));
   for (int64_t b = first; b < last; ++b) {
     const int64_t begin = refs[b].begin;
@@ -285,64 +359,104 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
       }
     }
     uint8_t* cb = codes + b * block_bytes;
+    // A whole block of a rotating spec is encoded from its rotated values (eb), and its residual
+    // taken afterwards from the decoded codes rotated back; any other block from vb as it is.
+    const bool rotated = spec.rotate && len == block && !nonfinite;
+    float* eb = vb;
+    if (rotated) {
+      eb = y.data();
+      std::memcpy(eb, vb, static_cast<size_t>(len) * sizeof(float));
+      rotate_forward(eb, len, spec, refs[b].draw);
+      absmax = 0.0f;
+      abssum = 0.0f;
+#pragma omp simd reduction(max : absmax) reduction(+ : abssum) reduction(| : nonfinite)
+      for (int64_t i = 0; i < len; ++i) {
+        const float a = fabsf(eb[i]);
+        absmax = a > absmax ? a : absmax;
+        abssum += a;
+        nonfinite |= !(a <= 3.4028234663852886e+38f);  // overflowed in the rotation
+      }
+    }
     if (nonfinite) {
       scales[b] = NAN;
       std::memset(cb, 0, static_cast<size_t>(block_bytes));
       if (rb) std::fill(rb, rb + len, 0.0f);
       continue;
     }
+    float* erb = rotated ? nullptr : rb;  // the residual written by the encode loops
     float scale = detail::block_scale(BITS, spec.stochastic, absmax, abssum, len);
     if (detail::ternary_fit(BITS, spec.stochastic, spec.fitted_ternary)) {
-      scale = fitted_2bit_scale(vb, len, abssum, absmax);
+      scale = fitted_2bit_scale(eb, len, abssum, absmax);
+    } else if (BITS == 1 && rotated && spec.unbiased_sign && !spec.stochastic) {
+      const float inv_m = detail::inverse_scale(absmax);
+      float sq = 0.0f, l1 = 0.0f;
+#pragma omp simd reduction(+ : sq, l1)
+      for (int64_t i = 0; i < len; ++i) {
+        const float a = detail::q_mul(fabsf(eb[i]), inv_m);
+        sq += detail::q_mul(a, a);
+        l1 += a;
+      }
+      if (inv_m > 0.0f) scale = detail::unbiased_sign_scale(absmax, sq, l1);
     }
     const float inv = detail::encode_factor(scale, BITS);
     scales[b] = scale;
     uint8_t* cv = code.data();
+    bool packed = false;
     if (BITS == 2 && scale < 0.0f) {
       // A midrise block (fitted mode; never stochastic). The residual is the rounded v - d.
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {
-        const uint32_t c = detail::encode_midrise(vb[i], inv);
+        const uint32_t c = detail::encode_midrise(eb[i], inv);
         cv[i] = static_cast<uint8_t>(c);
-        if (rb) rb[i] = detail::q_add(vb[i], -detail::decode(c, scale, 2));
+        if (erb) erb[i] = detail::q_add(eb[i], -detail::decode(c, scale, 2));
       }
     } else if (spec.stochastic) {
       const uint64_t base = refs[b].draw;
       for (int64_t i = 0; i < len; ++i) {
         const float u = detail::uniform01(spec.seed, spec.stream, base + static_cast<uint64_t>(i));
-        cv[i] = static_cast<uint8_t>(detail::encode(vb[i], scale, inv, BITS, true, u));
+        cv[i] = static_cast<uint8_t>(detail::encode(eb[i], scale, inv, BITS, true, u));
       }
-      if (rb) {
+      if (erb) {
         for (int64_t i = 0; i < len; ++i) {
-          rb[i] = detail::q_add(vb[i], -detail::decode(cv[i], scale, BITS));
+          erb[i] = detail::q_add(eb[i], -detail::decode(cv[i], scale, BITS));
         }
       }
     } else if (BITS == 1) {
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) cv[i] = vb[i] >= 0.0f ? 1 : 0;
-      if (rb) {
+      for (int64_t i = 0; i < len; ++i) cv[i] = eb[i] >= 0.0f ? 1 : 0;
+      if (erb) {
 #pragma omp simd
         for (int64_t i = 0; i < len; ++i)
-          rb[i] = detail::q_add(vb[i], vb[i] >= 0.0f ? -scale : scale);
+          erb[i] = detail::q_add(eb[i], eb[i] >= 0.0f ? -scale : scale);
       }
 #if DDPX_QEF_VECTOR_ENCODE
     } else if (len % 8 == 0) {
-      encode_nearest<BITS>(vb, rb, len, scale, inv, block_bytes, cb);
-      continue;
+      encode_nearest<BITS>(eb, erb, len, scale, inv, block_bytes, cb);
+      packed = true;
 #endif
     } else {
       // Nearest level: the same arithmetic as detail::encode, in a loop GCC vectorises.
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {
-        float q = detail::round_even(detail::q_mul(vb[i], inv));
+        float q = detail::round_even(detail::q_mul(eb[i], inv));
         q = q > kQmax ? kQmax : (q < -kQmax ? -kQmax : q);
         cv[i] = static_cast<uint8_t>(static_cast<int32_t>(q) + static_cast<int32_t>(kZero));
-        if (rb) rb[i] = detail::q_add(vb[i], -detail::q_mul(q, scale));
+        if (erb) erb[i] = detail::q_add(eb[i], -detail::q_mul(q, scale));
       }
     }
-    // The short last block's unused codes are zeros: a message's bytes depend on its values only.
-    std::fill(cv + len, cv + block, uint8_t(0));
-    pack_codes<BITS>(cv, block_bytes, cb);
+    if (!packed) {
+      // The short last block's unused codes are zeros: a message's bytes depend on its values.
+      std::fill(cv + len, cv + block, uint8_t(0));
+      pack_codes<BITS>(cv, block_bytes, cb);
+    }
+    if (rotated && rb) {
+      // The residual of a rotated block: v minus what the receiver decodes (in eb, no longer
+      // needed).
+      decode_block<BITS>(cb, scale, len, eb);
+      rotate_back(eb, len, spec.seed, spec.stream, refs[b].draw);
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) rb[i] = detail::q_add(vb[i], -eb[i]);
+    }
   }
 }
 
@@ -427,8 +541,8 @@ inline void decode_block(const uint8_t* cb, float scale, int64_t len, float* db)
 // that `store` then consumes. (Through the buffer, the copy was a library call per block.)
 template <int BITS, typename Store>
 void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const BlockRef* refs,
-                             int64_t first, int64_t last, int64_t block, Store store,
-                             float* direct) {
+                             int64_t first, int64_t last, int64_t block, Store store, float* direct,
+                             const Unrotate& unrotate) {
   const auto* scales = reinterpret_cast<const float*>(message);
   const uint8_t* codes = message + 4 * blocks;
   const int64_t block_bytes = packed_block_bytes(BITS, block);
@@ -440,17 +554,20 @@ void dequantize_blocks_fixed(const uint8_t* message, int64_t blocks, const Block
     const bool in_place = direct != nullptr && len % 8 == 0;
     float* db = in_place ? direct + begin : d.data();
     decode_block<BITS>(codes + b * block_bytes, scales[b], len, db);
+    if (unrotate.on && len == block) {
+      rotate_back(db, len, unrotate.seed, unrotate.stream_of(0), refs[b].draw);
+    }
     if (!in_place) store(begin, db, len);
   }
 }
 
 template <typename Store>
 void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* refs, int64_t first,
-                       int64_t last, int bits, int64_t block, Store store,
+                       int64_t last, int bits, int64_t block, const Unrotate& unrotate, Store store,
                        float* direct = nullptr) {
   with_bits(bits, [&](auto b) {
     dequantize_blocks_fixed<decltype(b)::value>(message, blocks, refs, first, last, block, store,
-                                                direct);
+                                                direct, unrotate);
   });
 }
 
@@ -461,7 +578,7 @@ void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* r
 template <int BITS, typename L>
 void sum_blocks(const uint8_t* messages, int64_t count, int64_t message_bytes, int64_t blocks,
                 const BlockRef* refs, int64_t first, int64_t last, int64_t block, float post_scale,
-                float* dst, const ExactTerm& exact) {
+                float* dst, const ExactTerm& exact, const Unrotate& unrotate) {
   const int64_t block_bytes = packed_block_bytes(BITS, block);
   thread_local std::vector<float> acc, d;
   acc.resize(static_cast<size_t>(block));
@@ -484,6 +601,9 @@ void sum_blocks(const uint8_t* messages, int64_t count, int64_t message_bytes, i
       const uint8_t* m = messages + r * message_bytes;
       decode_block<BITS>(m + 4 * blocks + b * block_bytes, reinterpret_cast<const float*>(m)[b],
                          len, d.data());
+      if (unrotate.on && len == block) {
+        rotate_back(d.data(), len, unrotate.seed, unrotate.stream_of(term), refs[b].draw);
+      }
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) a[i] = detail::q_add(a[i], db[i]);
     }
@@ -506,6 +626,10 @@ void quantize_blocks_any(int bits, const typename L::T* x, float* residual, cons
 
 bool valid_quant_bits(int bits) { return bits == 1 || bits == 2 || bits == 4 || bits == 8; }
 
+bool rotation_block_ok(int64_t block) {
+  return block >= 8 && block <= 8192 && (block & (block - 1)) == 0;
+}
+
 int64_t packed_block_bytes(int bits, int64_t block) { return block * bits / 8; }
 
 int64_t quantized_message_bytes(int64_t blocks, int bits, int64_t block) {
@@ -527,14 +651,15 @@ DDPX_QEF_CLONES
 void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,
                                int bits, int64_t block, float post_scale, float* dst,
-                               const ExactTerm& exact) {
+                               const ExactTerm& exact, const Unrotate& unrotate) {
   if (exact.x != nullptr && (exact.row < 0 || exact.row > count)) {
     throw std::invalid_argument("ddpx quantize_ef kernels: the exact term's row is out of range");
   }
   with_loader(exact.x != nullptr ? exact.t : DType::kFloat32, [&](auto loader) {
     with_bits(bits, [&](auto b) {
       sum_blocks<decltype(b)::value, decltype(loader)>(messages, count, message_bytes, blocks, refs,
-                                                       first, last, block, post_scale, dst, exact);
+                                                       first, last, block, post_scale, dst, exact,
+                                                       unrotate);
     });
   });
 }
@@ -542,12 +667,12 @@ void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t m
 DDPX_QEF_CLONES
 void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRef* refs,
                            int64_t first, int64_t last, int bits, int64_t block, void* dst,
-                           DType dst_t) {
+                           DType dst_t, const Unrotate& unrotate) {
   switch (dst_t) {
     case DType::kFloat32: {
       float* d = static_cast<float*>(dst);
       return dequantize_blocks(
-          message, blocks, refs, first, last, bits, block,
+          message, blocks, refs, first, last, bits, block, unrotate,
           [d](int64_t at, const float* v, int64_t len) {
             std::memcpy(d + at, v, static_cast<size_t>(len) * sizeof(float));
           },
@@ -555,14 +680,14 @@ void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRe
     }
     case DType::kFloat64: {
       double* d = static_cast<double*>(dst);
-      return dequantize_blocks(message, blocks, refs, first, last, bits, block,
+      return dequantize_blocks(message, blocks, refs, first, last, bits, block, unrotate,
                                [d](int64_t at, const float* v, int64_t len) {
                                  for (int64_t i = 0; i < len; ++i) d[at + i] = v[i];
                                });
     }
     case DType::kFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
-      return dequantize_blocks(message, blocks, refs, first, last, bits, block,
+      return dequantize_blocks(message, blocks, refs, first, last, bits, block, unrotate,
                                [d](int64_t at, const float* v, int64_t len) {
                                  for (int64_t i = 0; i < len; ++i) {
                                    d[at + i] = detail::float_to_half(v[i]);
@@ -571,7 +696,7 @@ void dequantize_blocks_cpu(const uint8_t* message, int64_t blocks, const BlockRe
     }
     case DType::kBFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
-      return dequantize_blocks(message, blocks, refs, first, last, bits, block,
+      return dequantize_blocks(message, blocks, refs, first, last, bits, block, unrotate,
                                [d](int64_t at, const float* v, int64_t len) {
                                  for (int64_t i = 0; i < len; ++i) {
                                    d[at + i] = detail::float_to_bf16(v[i]);

@@ -3,7 +3,8 @@
 // std::runtime_error. One CUDA block per quantization block: its max|v| and sum|v| are reduced in
 // shared memory, so the 1-bit mean scale and the fitted 2-bit scale may differ from the CPU's in
 // their last bits (another summation order; for the fitted scale, a value at the mean may fall on
-// the other side of it); every other result is the CPU's, bit for bit.
+// the other side of it); every other result is the CPU's, bit for bit. Rotation
+// (QuantSpec::rotate) holds a whole block in shared memory (rotation_block_ok).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,10 +24,11 @@ void quantize_ef_blocks_cuda(const void* x, DType t, float* residual, const Bloc
 void dequantize_sum_blocks_cuda(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                 int64_t blocks, const BlockRef* refs, int bits, int64_t block,
                                 float post_scale, float* dst, const ExactTerm& exact,
-                                cudaStream_t stream);
+                                const Unrotate& unrotate, cudaStream_t stream);
 
 void dequantize_blocks_cuda(const uint8_t* message, int64_t blocks, const BlockRef* refs, int bits,
-                            int64_t block, void* dst, DType dst_t, cudaStream_t stream);
+                            int64_t block, void* dst, DType dst_t, const Unrotate& unrotate,
+                            cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace ddpx

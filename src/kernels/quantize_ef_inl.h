@@ -133,6 +133,49 @@ DDPX_QUANT_INLINE float decode(uint32_t code, float scale, int bits) {
   return q_mul(q, scale);
 }
 
+// --- The rotation (QuantSpec::rotate) ---
+// A rotated block of B = 2^k values travels as the code of y = c H D x, with D a diagonal of
+// random signs, H the B x B Sylvester-Hadamard matrix (entries +-1, H H = B I) and c =
+// 2^-ceil(k/2); it is decoded as x' = 2^-floor(k/2) D H y'. c H and 2^-floor(k/2) H are inverse up
+// to a factor 2^(k/2 - ceil(k/2)) * 2^(k/2 - floor(k/2)) = 1: both factors are powers of two, so
+// the only roundings are the butterflies' sums (the same sums, in the same order, on CPU and CUDA).
+
+// 64 of D's signs: bit j of the word for index w is the sign of value 64 w + j (1: negative),
+// counted over the block's draw indices (BlockRef::draw), so sender and receiver derive the same
+// signs from (seed, stream) and every block and step gets its own.
+DDPX_QUANT_INLINE uint64_t rotation_word(uint64_t seed, uint64_t stream, uint64_t w) {
+  const uint64_t key = mix64(seed ^ 0x5851f42d4c957f2dULL) + 0xd1b54a32d192ed03ULL * (stream + 1);
+  return mix64(mix64(key) ^ w);
+}
+
+// Whether value `draw` (a draw index) has its sign flipped by D.
+DDPX_QUANT_INLINE bool rotation_flip(uint64_t seed, uint64_t stream, uint64_t draw) {
+  return (rotation_word(seed, stream, draw >> 6) >> (draw & 63)) & 1u;
+}
+
+// k for a block of B = 2^k values (B a power of two).
+DDPX_QUANT_INLINE int log2_of(int64_t block) {
+  int k = 0;
+  while ((int64_t(1) << k) < block) ++k;
+  return k;
+}
+
+// The forward factor c = 2^-ceil(k/2) and the inverse one 2^-floor(k/2) (exact powers of two).
+DDPX_QUANT_INLINE float rotation_forward_factor(int64_t block) {
+  return ldexpf(1.0f, -((log2_of(block) + 1) / 2));
+}
+DDPX_QUANT_INLINE float rotation_inverse_factor(int64_t block) {
+  return ldexpf(1.0f, -(log2_of(block) / 2));
+}
+
+// The 1-bit scale of a rotated block without error feedback: S = sum y^2 / sum |y|, which makes
+// the decoded block an unbiased estimate of x over the random signs (DRIVE, Vargaftik et al.,
+// NeurIPS 2021), computed as m * (sum (y/m)^2) / (sum |y| / m) with m = max|y| so that no sum
+// overflows. `sq` = sum (y/m)^2 and `l1` = sum |y| / m, both taken with y * inv_m.
+DDPX_QUANT_INLINE float unbiased_sign_scale(float absmax, float sq, float l1) {
+  return l1 > 0.0f ? q_mul(absmax, q_div(sq, l1)) : 0.0f;
+}
+
 // Code i of a block's packed codes.
 DDPX_QUANT_INLINE uint32_t unpack_code(const uint8_t* codes, int64_t i, int bits) {
   const int per = 8 / bits;

@@ -99,6 +99,8 @@ void quantize_ef_into(const at::Tensor& x, const at::Tensor& residual, const Blo
                       const kernels::QuantSpec& spec, const at::Tensor& message) {
   const char* op = "ddpx::ops::quantize_ef_into";
   check_qformat(spec.bits, spec.block, op);
+  TORCH_CHECK(!spec.rotate || kernels::rotation_block_ok(spec.block), op,
+              ": rotated blocks must hold a power of two in [8, 8192] values, got ", spec.block);
   check_qtensor(x, op, "x");
   check_covers(table, x, spec.block, op, "x");
   const int64_t blocks = table.size();
@@ -131,9 +133,11 @@ void quantize_ef_into(const at::Tensor& x, const at::Tensor& residual, const Blo
 
 void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, int bits,
                          int64_t block, float post_scale, const at::Tensor& dst,
-                         const ExactValues& exact) {
+                         const ExactValues& exact, const kernels::Unrotate& unrotate) {
   const char* op = "ddpx::ops::dequantize_sum_into";
   check_qformat(bits, block, op);
+  TORCH_CHECK(!unrotate.on || kernels::rotation_block_ok(block), op,
+              ": rotated blocks must hold a power of two in [8, 8192] values, got ", block);
   check_qtensor(dst, op, "dst");
   check_covers(table, dst, block, op, "dst");
   TORCH_CHECK(dst.scalar_type() == at::kFloat, op, ": dst must be fp32");
@@ -173,20 +177,22 @@ void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, in
 #ifdef DDPX_WITH_CUDA
     const CudaLaunch launch(dst);
     kernels::dequantize_sum_blocks_cuda(m, rows, row_bytes, blocks, refs, bits, block, post_scale,
-                                        d, term, launch.stream());
+                                        d, term, unrotate, launch.stream());
 #endif
     return;
   }
   at::parallel_for(0, blocks, quant_grain_blocks(block), [&](int64_t b0, int64_t b1) {
     kernels::dequantize_sum_blocks_cpu(m, rows, row_bytes, blocks, refs, b0, b1, bits, block,
-                                       post_scale, d, term);
+                                       post_scale, d, term, unrotate);
   });
 }
 
 void dequantize_into(const at::Tensor& message, const BlockTable& table, int bits, int64_t block,
-                     const at::Tensor& dst) {
+                     const at::Tensor& dst, const kernels::Unrotate& unrotate) {
   const char* op = "ddpx::ops::dequantize_into";
   check_qformat(bits, block, op);
+  TORCH_CHECK(!unrotate.on || kernels::rotation_block_ok(block), op,
+              ": rotated blocks must hold a power of two in [8, 8192] values, got ", block);
   check_qtensor(dst, op, "dst");
   check_covers(table, dst, block, op, "dst");
   const int64_t blocks = table.size();
@@ -198,12 +204,12 @@ void dequantize_into(const at::Tensor& message, const BlockTable& table, int bit
   if (dst.is_cuda()) {
 #ifdef DDPX_WITH_CUDA
     const CudaLaunch launch(dst);
-    kernels::dequantize_blocks_cuda(m, blocks, refs, bits, block, d, t, launch.stream());
+    kernels::dequantize_blocks_cuda(m, blocks, refs, bits, block, d, t, unrotate, launch.stream());
 #endif
     return;
   }
   at::parallel_for(0, blocks, quant_grain_blocks(block), [&](int64_t b0, int64_t b1) {
-    kernels::dequantize_blocks_cpu(m, blocks, refs, b0, b1, bits, block, d, t);
+    kernels::dequantize_blocks_cpu(m, blocks, refs, b0, b1, bits, block, d, t, unrotate);
   });
 }
 

@@ -60,14 +60,17 @@ struct ExactValues {
 // dst (fp32, indexed by the table) = post_scale * the sum over the rows of `messages` ([rows,
 // bytes] uint8, each row a message of the table's blocks), in row order, in fp32; with `exact`
 // (x defined), its values are one more term of the sum, at its row (rows may then be 0).
+// `unrotate`: how rotated messages (kernels::QuantSpec::rotate) are rotated back, by term.
 void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, int bits,
                          int64_t block, float post_scale, const at::Tensor& dst,
-                         const ExactValues& exact = ExactValues());
+                         const ExactValues& exact = ExactValues(),
+                         const kernels::Unrotate& unrotate = kernels::Unrotate());
 
 // dst (floating, indexed by the table) = the dequantized values of `message` (uint8, a message
-// of the table's blocks), rounded once to dst's dtype.
+// of the table's blocks), rounded once to dst's dtype. `unrotate`: as its term 0.
 void dequantize_into(const at::Tensor& message, const BlockTable& table, int bits, int64_t block,
-                     const at::Tensor& dst);
+                     const at::Tensor& dst,
+                     const kernels::Unrotate& unrotate = kernels::Unrotate());
 
 }  // namespace ops
 }  // namespace ddpx

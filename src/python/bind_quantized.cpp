@@ -33,6 +33,15 @@ void bind_quantized(py::module& m) {
           },
           "'auto' (all-gather on 2 ranks, reduce-scatter on more), 'allgather' or "
           "'reduce_scatter'.")
+      .def_property(
+          "rotation",
+          [](const QuantizedOptions& o) {
+            return std::string(hooks::quantized_rotation_name(o.rotation));
+          },
+          [](QuantizedOptions& o, const std::string& name) {
+            o.rotation = hooks::parse_quantized_rotation(name);
+          },
+          "'auto' (Hadamard without error feedback), 'hadamard' or 'none'.")
       .def(
           "validate", [](const QuantizedOptions& o) { hooks::validate(o); },
           "Raises ValueError naming a bad option.");
@@ -85,9 +94,12 @@ void bind_quantized(py::module& m) {
       "quantize_ef_",
       [](const at::Tensor& x, const c10::optional<at::Tensor>& residual, int bits, int64_t block,
          bool stochastic, int64_t seed, int64_t stream, int64_t draw_base,
-         const c10::optional<at::Tensor>& out, bool fitted_ternary) {
+         const c10::optional<at::Tensor>& out, bool fitted_ternary, bool rotate,
+         bool unbiased_sign) {
         kernels::QuantSpec spec;
         spec.fitted_ternary = fitted_ternary;
+        spec.rotate = rotate;
+        spec.unbiased_sign = unbiased_sign;
         spec.bits = bits;
         spec.block = block;
         spec.stochastic = stochastic;
@@ -108,27 +120,44 @@ void bind_quantized(py::module& m) {
       py::arg("x"), py::arg("residual"), py::arg("bits"), py::arg("block"),
       py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("stream") = 0,
       py::arg("draw_base") = 0, py::arg("out") = py::none(), py::arg("fitted_ternary") = false,
+      py::arg("rotate") = false, py::arg("unbiased_sign") = false,
       "The message of x (plus residual, which receives the new residual when given).");
+  // A message quantized with rotate=True, (seed, stream): how to rotate it back.
+  const auto unrotate_of = [](bool rotate, int64_t seed, int64_t stream, int64_t stream_step) {
+    kernels::Unrotate u;
+    u.on = rotate;
+    u.seed = static_cast<uint64_t>(seed);
+    u.stream0 = static_cast<uint64_t>(stream);
+    u.stream_step = static_cast<uint64_t>(stream_step);
+    return u;
+  };
   m.def(
       "dequantize_",
-      [](const at::Tensor& message, int bits, int64_t block, const at::Tensor& out) {
+      [unrotate_of](const at::Tensor& message, int bits, int64_t block, const at::Tensor& out,
+                    bool rotate, int64_t seed, int64_t stream) {
         ops::BlockTable table = ops::BlockTable::contiguous(out.numel(), block);
         table.to(out.device());
-        ops::dequantize_into(message, table, bits, block, out);
+        ops::dequantize_into(message, table, bits, block, out,
+                             unrotate_of(rotate, seed, stream, 0));
         return out;
       },
-      py::arg("message"), py::arg("bits"), py::arg("block"), py::arg("out"));
+      py::arg("message"), py::arg("bits"), py::arg("block"), py::arg("out"),
+      py::arg("rotate") = false, py::arg("seed") = 0, py::arg("stream") = 0);
   m.def(
       "dequantize_sum_",
-      [](const at::Tensor& messages, int bits, int64_t block, double post_scale,
-         const at::Tensor& out) {
+      [unrotate_of](const at::Tensor& messages, int bits, int64_t block, double post_scale,
+                    const at::Tensor& out, bool rotate, int64_t seed, int64_t stream,
+                    int64_t stream_step) {
         ops::BlockTable table = ops::BlockTable::contiguous(out.numel(), block);
         table.to(out.device());
-        ops::dequantize_sum_into(messages, table, bits, block, static_cast<float>(post_scale), out);
+        ops::dequantize_sum_into(messages, table, bits, block, static_cast<float>(post_scale), out,
+                                 ops::ExactValues(),
+                                 unrotate_of(rotate, seed, stream, stream_step));
         return out;
       },
-      py::arg("messages"), py::arg("bits"), py::arg("block"), py::arg("post_scale"),
-      py::arg("out"));
+      py::arg("messages"), py::arg("bits"), py::arg("block"), py::arg("post_scale"), py::arg("out"),
+      py::arg("rotate") = false, py::arg("seed") = 0, py::arg("stream") = 0,
+      py::arg("stream_step") = 1);
 }
 
 }  // namespace python

@@ -403,12 +403,14 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndChannels, QuantizeCuda,
 // messages and dequantized values on the device and on the host, from a table whose blocks come
 // in another order than the values' (as an owner's blocks do) and end with short ones. Bit for
 // bit, except the 1-bit mean scale (its sum is reduced in another order on the device): there
-// the codes are equal and the scales and residuals within a few ulps.
-class QuantizeEfCuda : public ::testing::TestWithParam<std::tuple<int, bool, int64_t>> {};
+// the codes are equal and the scales and residuals within a few ulps. With rotation
+// (QuantSpec::rotate; 1 bit: the unbiased scale) the whole blocks go through the same butterflies
+// on both, and the sums rotate every term back.
+class QuantizeEfCuda : public ::testing::TestWithParam<std::tuple<int, bool, int64_t, bool>> {};
 
 TEST_P(QuantizeEfCuda, MatchesCpu) {
   DDPX_SKIP_WITHOUT_GPU();
-  const auto [bits, stochastic, n] = GetParam();
+  const auto [bits, stochastic, n, rotate] = GetParam();
   const int64_t block = 256;
   k::QuantSpec spec;
   spec.bits = bits;
@@ -416,6 +418,12 @@ TEST_P(QuantizeEfCuda, MatchesCpu) {
   spec.stochastic = stochastic;
   spec.seed = 7;
   spec.stream = 3;
+  spec.rotate = rotate;
+  spec.unbiased_sign = rotate;
+  k::Unrotate unrotate;
+  unrotate.on = rotate;
+  unrotate.seed = 7;
+  unrotate.stream0 = 3;  // every term: the message was quantized with stream 3
   // Blocks of the values [0, n) in reverse order, the last (short) one first.
   std::vector<k::BlockRef> refs;
   for (int64_t begin = 0; begin < n; begin += block) {
@@ -476,11 +484,11 @@ TEST_P(QuantizeEfCuda, MatchesCpu) {
   DDPX_ASSERT_CUDA(cudaMemcpy(three_dev.ptr, three.data(), three.size(), cudaMemcpyHostToDevice));
   std::vector<float> cpu_sum(x.size()), gpu_sum(x.size());
   k::dequantize_sum_blocks_cpu(three.data(), 3, msg_bytes, blocks, refs.data(), 0, blocks, bits,
-                               block, 1.0f / 3.0f, cpu_sum.data());
+                               block, 1.0f / 3.0f, cpu_sum.data(), k::ExactTerm(), unrotate);
   k::dequantize_sum_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), 3, msg_bytes, blocks,
                                 static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block,
                                 1.0f / 3.0f, static_cast<float*>(sum_dev.ptr), k::ExactTerm(),
-                                nullptr);
+                                unrotate, nullptr);
   // Two messages and x itself as the middle term (quantized_hook's owner: its own values exact).
   DeviceBuffer exact_sum_dev(x.size() * 4);
   std::vector<float> cpu_exact_sum(x.size()), gpu_exact_sum(x.size());
@@ -488,17 +496,17 @@ TEST_P(QuantizeEfCuda, MatchesCpu) {
   k::ExactTerm dev_term{x_dev.ptr, DType::kFloat32, static_cast<const k::BlockRef*>(refs_dev.ptr),
                         1};
   k::dequantize_sum_blocks_cpu(three.data(), 2, msg_bytes, blocks, refs.data(), 0, blocks, bits,
-                               block, 1.0f / 3.0f, cpu_exact_sum.data(), host_term);
+                               block, 1.0f / 3.0f, cpu_exact_sum.data(), host_term, unrotate);
   k::dequantize_sum_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), 2, msg_bytes, blocks,
                                 static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block,
                                 1.0f / 3.0f, static_cast<float*>(exact_sum_dev.ptr), dev_term,
-                                nullptr);
+                                unrotate, nullptr);
   std::vector<uint16_t> cpu_bf(x.size()), gpu_bf(x.size());
   k::dequantize_blocks_cpu(cpu_msg.data(), blocks, refs.data(), 0, blocks, bits, block,
-                           cpu_bf.data(), DType::kBFloat16);
+                           cpu_bf.data(), DType::kBFloat16, unrotate);
   k::dequantize_blocks_cuda(static_cast<const uint8_t*>(three_dev.ptr), blocks,
                             static_cast<const k::BlockRef*>(refs_dev.ptr), bits, block, bf_dev.ptr,
-                            DType::kBFloat16, nullptr);
+                            DType::kBFloat16, unrotate, nullptr);
   DDPX_ASSERT_CUDA(cudaDeviceSynchronize());
   DDPX_ASSERT_CUDA(
       cudaMemcpy(gpu_sum.data(), sum_dev.ptr, gpu_sum.size() * 4, cudaMemcpyDeviceToHost));
@@ -515,7 +523,8 @@ TEST_P(QuantizeEfCuda, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(BitsAndSizes, QuantizeEfCuda,
                          ::testing::Combine(::testing::Values(8, 4, 2, 1),
                                             ::testing::Values(false, true),
-                                            ::testing::Values<int64_t>(1000, 300001)));
+                                            ::testing::Values<int64_t>(1000, 300001),
+                                            ::testing::Values(false, true)));
 
 // The fitted 2-bit codes (QuantSpec::fitted_ternary, quantized_hook without error feedback): the
 // device reduces the mean, the magnitudes above it and the choice's sums in another order, so a

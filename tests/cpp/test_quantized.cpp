@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/quantize_ef.h"
+#include "kernels/quantize_ef_inl.h"
 #include "ops/quantized.h"
 #include "test_utils.h"
 
@@ -494,6 +495,199 @@ TEST(Quantize, FittedTwoBitBoundsAndLessError) {
   EXPECT_LT(std::abs(1 - gain_fit), std::abs(1 - gain_max));
 }
 
+// ---- the rotation (QuantSpec::rotate) ---------------------------------------------------------
+
+ddpx::kernels::QuantSpec rotating(int bits, int64_t block, uint64_t stream, bool unbiased) {
+  ddpx::kernels::QuantSpec s = spec(bits, block, false, stream);
+  s.rotate = true;
+  s.unbiased_sign = unbiased;
+  return s;
+}
+
+ddpx::kernels::Unrotate unrotate_of(const ddpx::kernels::QuantSpec& s, uint64_t step = 0) {
+  ddpx::kernels::Unrotate u;
+  u.on = s.rotate;
+  u.seed = s.seed;
+  u.stream0 = s.stream;
+  u.stream_step = step;
+  return u;
+}
+
+at::Tensor decode_rotated(const at::Tensor& message, int64_t n, const ddpx::kernels::QuantSpec& s) {
+  at::Tensor out = at::empty({n}, at::kFloat);
+  ddpx::ops::dequantize_into(message, table(n, s.block), s.bits, s.block, out, unrotate_of(s));
+  return out;
+}
+
+// The Sylvester-Hadamard matrix of order `len` (entries +-1), in double.
+at::Tensor hadamard_matrix(int64_t len) {
+  at::Tensor h = at::ones({1, 1}, at::kDouble);
+  while (h.size(0) < len) h = at::cat({at::cat({h, h}, 1), at::cat({h, -h}, 1)}, 0);
+  return h;
+}
+
+// D's signs of block values [draw, draw + len), as +-1 in double (1: not flipped).
+at::Tensor rotation_signs(const ddpx::kernels::QuantSpec& s, uint64_t draw, int64_t len) {
+  std::vector<double> d(static_cast<size_t>(len));
+  for (int64_t i = 0; i < len; ++i) {
+    d[static_cast<size_t>(i)] =
+        ddpx::kernels::detail::rotation_flip(s.seed, s.stream, draw + static_cast<uint64_t>(i))
+            ? -1.0
+            : 1.0;
+  }
+  return at::tensor(d, at::kDouble);
+}
+
+TEST(Quantize, RotatedBlocksClosedForm) {
+  // Every whole block is sent as the code of y = 2^-ceil(k/2) H D v (block = 2^k) and decoded
+  // as 2^-floor(k/2) D H y': checked against that formula in double, block by block, with the
+  // bounds of the codes holding for y; a short last block goes as a non-rotating spec sends it.
+  const int64_t block = 64, n = 5 * block + 24;
+  at::Tensor x = normal_input(41, n);
+  x.narrow(0, 3, 1).fill_(40.0f);  // one value far above the rest of block 0
+  const at::Tensor r0 = normal_input(42, n) * 0.01;
+  const at::Tensor v = x + r0;
+  const at::Tensor H = hadamard_matrix(block);
+  const double c = std::ldexp(1.0, -3), f = std::ldexp(1.0, -3);  // k = 6: 2^-3 both ways
+  for (const int bits : {8, 4, 2, 1}) {
+    for (const bool unbiased : {false, true}) {
+      if (unbiased && bits != 1) continue;
+      SCOPED_TRACE("bits " + std::to_string(bits) + (unbiased ? ", unbiased" : ""));
+      const auto s = rotating(bits, block, 7, unbiased);
+      at::Tensor residual = r0.clone();
+      at::Tensor msg = message_for(x, bits, block);
+      quantize(x, residual, s, msg);
+      const at::Tensor y_sent = decode(msg, n, bits, block);  // not rotated back
+      const at::Tensor back = decode_rotated(msg, n, s);
+      const at::Tensor scales = scales_of(msg, n, block);
+      // Error feedback: what the receiver decodes plus the new residual is v, up to the
+      // roundings of the residual's subtraction.
+      EXPECT_LE((back + residual - v).abs().max().item<float>(),
+                2e-7f * v.abs().max().item<float>());
+      for (int64_t b = 0; b < 5; ++b) {
+        SCOPED_TRACE("block " + std::to_string(b));
+        const at::Tensor vb = v.narrow(0, b * block, block).to(at::kDouble);
+        const at::Tensor D = rotation_signs(s, static_cast<uint64_t>(b * block), block);
+        const at::Tensor y = c * at::matmul(H, D * vb);
+        const at::Tensor ys = y_sent.narrow(0, b * block, block).to(at::kDouble);
+        const double scale = scales[b].item<float>();
+        const double ymax = y.abs().max().item<double>();
+        if (bits >= 2) {
+          const double qmax = (1 << (bits - 1)) - 1;
+          EXPECT_NEAR(scale, ymax / qmax, 1e-5 * scale);
+          EXPECT_LE((ys - y).abs().max().item<double>(), scale / 2 * (1 + 1e-5) + 1e-6 * ymax);
+        } else {
+          const double expect = unbiased
+                                    ? (y * y).sum().item<double>() / y.abs().sum().item<double>()
+                                    : y.abs().mean().item<double>();
+          EXPECT_NEAR(scale, expect, 1e-5 * expect);
+          EXPECT_TRUE(
+              at::equal((ys >= 0) | (y.abs() < 1e-5 * ymax), (y >= 0) | (y.abs() < 1e-5 * ymax)));
+        }
+        // Rotated back: f D H y', and the error is y's (the rotation is orthogonal).
+        const at::Tensor xb = f * D * at::matmul(H, ys);
+        const at::Tensor got = back.narrow(0, b * block, block).to(at::kDouble);
+        EXPECT_LE((got - xb).abs().max().item<double>(),
+                  1e-6 * xb.abs().max().item<double>() + 1e-12);
+        const double e_x = (got - vb).pow(2).sum().item<double>();
+        const double e_y = (ys - y).pow(2).sum().item<double>();
+        EXPECT_NEAR(e_x, e_y, 1e-4 * e_y + 1e-9);
+      }
+      // The short last block: as a non-rotating spec sends it, bit for bit.
+      at::Tensor plain = message_for(x, bits, block);
+      auto ps = spec(bits, block, false, 7);
+      quantize(x, r0.clone(), ps, plain);
+      const at::Tensor d_plain = decode(plain, n, bits, block);
+      EXPECT_EQ(scales[5].item<float>(), scales_of(plain, n, block)[5].item<float>());
+      EXPECT_TRUE(at::equal(back.narrow(0, 5 * block, 24), d_plain.narrow(0, 5 * block, 24)));
+    }
+  }
+  // The spike: max|v| / rms of block 0 is 40 / 1.9 before the rotation; the rotated block is
+  // spread (every rotated value holds +-40 c), so at 8 bits its squared error is a fraction of
+  // the unrotated block's.
+  at::Tensor m_rot = message_for(x, 8, block), m_plain = message_for(x, 8, block);
+  quantize(x, at::Tensor(), rotating(8, block, 7, false), m_rot);
+  quantize(x, at::Tensor(), spec(8, block), m_plain);
+  const auto err0 = [&](const at::Tensor& d) {
+    return (d.narrow(0, 0, block) - x.narrow(0, 0, block)).pow(2).sum().item<double>();
+  };
+  EXPECT_LT(err0(decode_rotated(m_rot, n, rotating(8, block, 7, false))),
+            0.2 * err0(decode(m_plain, n, 8, block)));
+}
+
+TEST(Quantize, RotatedSignsDifferByStreamAndThreadsAgree) {
+  const int64_t block = 256, n = 4 * block;
+  const at::Tensor x = normal_input(43, n);
+  at::Tensor a = message_for(x, 2, block), b = message_for(x, 2, block);
+  quantize(x, at::Tensor(), rotating(2, block, 1, false), a);
+  quantize(x, at::Tensor(), rotating(2, block, 2, false), b);
+  EXPECT_FALSE(at::equal(a, b));  // another stream, other signs
+  // One thread and several give the same bits (each block is its own).
+  at::Tensor one = message_for(x, 2, block);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  quantize(x, at::Tensor(), rotating(2, block, 1, false), one);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(a, one));
+  // Non-finite values reach the receiver as NaN over their block only, as without rotation;
+  // so does a finite block whose rotated values overflow.
+  at::Tensor bad = x.clone();
+  bad.narrow(0, 5, 1).fill_(std::numeric_limits<float>::infinity());
+  // D v = 3e38 over block 2: its first rotated value is 2^-4 * 256 * 3e38.
+  bad.narrow(0, 2 * block, block)
+      .copy_(rotation_signs(rotating(1, block, 3, true), 2 * block, block) * 3e38);
+  at::Tensor res = at::ones({n}, at::kFloat);
+  at::Tensor mb = message_for(x, 1, block);
+  const auto s = rotating(1, block, 3, true);
+  quantize(bad, res, s, mb);
+  const at::Tensor d = decode_rotated(mb, n, s);
+  for (int64_t blk = 0; blk < 4; ++blk) {
+    const bool nan = blk == 0 || blk == 2;
+    EXPECT_EQ(at::isnan(d.narrow(0, blk * block, block)).all().item<bool>(), nan) << blk;
+    EXPECT_EQ(at::isfinite(d.narrow(0, blk * block, block)).all().item<bool>(), !nan) << blk;
+    if (nan) EXPECT_TRUE(at::equal(res.narrow(0, blk * block, block), at::zeros({block})));
+  }
+}
+
+TEST(Quantize, RotatedSignIsUnbiased) {
+  // DRIVE's scale sum y^2 / sum |y| makes the decoded block an unbiased estimate of v under a
+  // uniformly random rotation; the random-sign Hadamard transform approximates one well for a
+  // dense block (here normal values; a block dominated by one value keeps a bias on the rest):
+  // the mean of N rotations converges to v as 1 / N, where with the least-squares scale mean|y|
+  // it converges to v shrunk by (sum |y|)^2 / (len sum y^2), about 2 / pi.
+  const int64_t block = 256;
+  const at::Tensor x = normal_input(44, block) * 0.1;
+  const int N = 2000;
+  const auto mean_over_streams = [&](bool unbiased, double* per_draw) {
+    at::Tensor sum = at::zeros({block}, at::kDouble);
+    double sq = 0;
+    for (int t = 0; t < N; ++t) {
+      const auto s = rotating(1, block, static_cast<uint64_t>(t), unbiased);
+      at::Tensor m = message_for(x, 1, block);
+      quantize(x, at::Tensor(), s, m);
+      const at::Tensor d = decode_rotated(m, block, s).to(at::kDouble);
+      sum += d;
+      sq += (d - x.to(at::kDouble)).pow(2).sum().item<double>();
+    }
+    *per_draw = sq / N;
+    return sum / N;
+  };
+  const double energy = x.to(at::kDouble).pow(2).sum().item<double>();
+  double var_unbiased = 0, var_ls = 0;
+  const at::Tensor m_unbiased = mean_over_streams(true, &var_unbiased);
+  const at::Tensor m_ls = mean_over_streams(false, &var_ls);
+  const double err_unbiased = (m_unbiased - x.to(at::kDouble)).pow(2).sum().item<double>();
+  const double err_ls = (m_ls - x.to(at::kDouble)).pow(2).sum().item<double>();
+  // One draw's squared error: about (pi / 2 - 1) of the energy for rotated (Gaussian-like)
+  // values, (1 - 2 / pi) with the least-squares scale.
+  EXPECT_NEAR(var_unbiased / energy, 3.14159265 / 2 - 1, 0.06);
+  EXPECT_NEAR(var_ls / energy, 1 - 2 / 3.14159265, 0.06);
+  // Independent draws: the mean's squared error is the variance / N (2x margin: a sum of 256
+  // squares concentrates well).
+  EXPECT_LT(err_unbiased, 2 * var_unbiased / N);
+  EXPECT_GT(err_ls, 0.05 * energy);  // the shrinkage stays
+}
+
 // ---- the hook ---------------------------------------------------------------------------------
 
 QuantizedOptions options(int bits, int64_t block, int64_t start_iter = 0, bool ef = true) {
@@ -792,11 +986,117 @@ TEST(QuantizedHook, TwoBitsWithoutErrorFeedbackUseTheFittedScale) {
   const at::Tensor expected = compose(fitted(2, block));
   ASSERT_FALSE(at::equal(expected, compose(spec(2, block))));  // the scales make a difference
   ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
-    auto state = std::make_shared<QuantizedState>(pg, options(2, block, 0, /*ef=*/false));
+    QuantizedOptions o = options(2, block, 0, /*ef=*/false);
+    o.rotation = ddpx::hooks::QuantRotation::kNone;  // the rotated steps: the test below
+    auto state = std::make_shared<QuantizedState>(pg, o);
     auto hook = ddpx::hooks::quantized_hook(state);
     const at::Tensor out = run_step(hook, grads[static_cast<size_t>(rank)].clone(), params_of(n));
     EXPECT_TRUE(at::equal(out, expected)) << "rank " << rank;
   });
+}
+
+TEST(QuantizedHook, RotatedStepsAreTheKernelsComposition) {
+  // Without error feedback "auto" rotates: a step is the kernels' composition with rotating
+  // specs whose streams are the hook's, (iter * P + level) * P + rank with P = 0x100000001b3
+  // (level 0: each rank's message; level 1: every owner's mean, with rank 0's stream), and whose
+  // blocks draw at (key << 40) + offset. By reduce-scatter on 3 ranks (the owner's own values
+  // exact, at its row) and by all-gather on 2, at 1 and 2 bits, two steps (iter 0 and 1).
+  const int64_t n = 640, block = 64;
+  const uint64_t P = 0x100000001b3ULL;
+  std::vector<ddpx::kernels::BlockRef> refs;
+  for (int64_t at = 0; at < n; at += block) {
+    const uint64_t key = static_cast<uint64_t>(at / 320), off = static_cast<uint64_t>(at % 320);
+    refs.push_back({at, block, (key << 40) + off});
+  }
+  const BlockTable hook_table(refs);
+  for (const int world : {3, 2}) {
+    for (const int bits : {1, 2}) {
+      SCOPED_TRACE(std::to_string(world) + " ranks, " + std::to_string(bits) + " bits");
+      std::vector<std::vector<at::Tensor>> grads(static_cast<size_t>(world));
+      for (int r = 0; r < world; ++r) {
+        for (int s = 0; s < 2; ++s) grads[r].push_back(normal_input(90 + 10 * r + s, n));
+      }
+      auto owner_of = [&](int64_t at) { return (at / 320 + (at % 320) / block) % world; };
+      auto quantized_spec = [&](uint64_t stream, bool rotate) {
+        ddpx::kernels::QuantSpec q = spec(bits, block, false, stream);
+        q.seed = 0;
+        q.fitted_ternary = true;
+        q.rotate = rotate;
+        q.unbiased_sign = rotate;
+        return q;
+      };
+      auto decoded = [&](const at::Tensor& values, const ddpx::kernels::QuantSpec& q) {
+        at::Tensor m = message_for(values, bits, block);
+        ddpx::ops::quantize_ef_into(values, at::Tensor(), hook_table, q, m);
+        at::Tensor out = at::empty({n}, at::kFloat);
+        ddpx::ops::dequantize_into(m, hook_table, bits, block, out, unrotate_of(q));
+        return out;
+      };
+      auto compose = [&](int step, bool rotate) {
+        const uint64_t iter = static_cast<uint64_t>(step);
+        at::Tensor sum = at::zeros({n}, at::kFloat);
+        for (int r = 0; r < world; ++r) {
+          const at::Tensor& g = grads[static_cast<size_t>(r)][static_cast<size_t>(step)];
+          at::Tensor term = decoded(g, quantized_spec((iter * P) * P + r, rotate));
+          if (world == 3) {
+            for (int64_t at = 0; at < n; at += block) {
+              if (owner_of(at) == r) term.narrow(0, at, block).copy_(g.narrow(0, at, block));
+            }
+          }
+          sum = sum + term;
+        }
+        const at::Tensor mean = sum * (1.0f / static_cast<float>(world));
+        if (world == 2) return mean;  // one round
+        return decoded(mean, quantized_spec((iter * P + 1) * P, rotate));
+      };
+      std::vector<at::Tensor> expected = {compose(0, true), compose(1, true)};
+      ASSERT_FALSE(at::equal(expected[0], compose(0, false)));  // the rotation makes a difference
+      ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+        QuantizedOptions o = options(bits, block, 0, /*ef=*/false);
+        EXPECT_TRUE(ddpx::hooks::rotates(o));
+        auto state = std::make_shared<QuantizedState>(pg, o);
+        auto hook = ddpx::hooks::quantized_hook(state);
+        const auto params = params_of(n);
+        for (int s = 0; s < 2; ++s) {
+          const at::Tensor out = run_step(
+              hook, grads[static_cast<size_t>(rank)][static_cast<size_t>(s)].clone(), params);
+          EXPECT_TRUE(at::equal(out, expected[static_cast<size_t>(s)]))
+              << "rank " << rank << ", step " << s;
+        }
+      });
+    }
+  }
+}
+
+TEST(QuantizedHook, RotationOptionAndOlderCheckpoints) {
+  using ddpx::hooks::QuantRotation;
+  const auto& pgs = ddpx_test::shared_gloo_world(1);
+  // "auto": rotate without error feedback, where the block size allows it.
+  EXPECT_FALSE(ddpx::hooks::rotates(options(1, 64)));
+  EXPECT_TRUE(ddpx::hooks::rotates(options(1, 64, 0, false)));
+  EXPECT_FALSE(ddpx::hooks::rotates(options(1, 96, 0, false)));  // not a power of two
+  EXPECT_FALSE(ddpx::hooks::rotates(options(1, 16384, 0, false)));
+  QuantizedOptions o = options(8, 96);
+  o.rotation = QuantRotation::kHadamard;
+  EXPECT_THAT(ddpx_test::value_error([&] { QuantizedState(pgs[0], o); }),
+              HasSubstr("rotation='hadamard' needs a block_size that is a power of two in [8, "
+                        "8192], got 96"));
+  EXPECT_THAT(ddpx_test::value_error([&] { ddpx::hooks::parse_quantized_rotation("givens"); }),
+              HasSubstr("rotation must be 'auto', 'hadamard' or 'none', got 'givens'"));
+  o.block_size = 64;
+  EXPECT_TRUE(ddpx::hooks::rotates(o));  // with error feedback too, when asked for
+  QuantizedState st(pgs[0], o);
+  auto d = st.state_dict();
+  EXPECT_EQ(d.at("rotation").toStringRef(), "hadamard");
+  QuantizedState back(pgs[0], options(8, 64));
+  back.load_state_dict(d);
+  EXPECT_EQ(back.options().rotation, QuantRotation::kHadamard);
+  // A checkpoint from before the option was taken without rotation, and resumes without it.
+  EXPECT_EQ(d.erase("rotation"), 1u);
+  back.load_state_dict(d);
+  EXPECT_EQ(back.options().rotation, QuantRotation::kNone);
+  d.insert("rotation", std::string("givens"));
+  EXPECT_THAT(ddpx_test::value_error([&] { back.load_state_dict(d); }), HasSubstr("rotation"));
 }
 
 TEST(QuantizedHook, SixteenBitBucketsAndRefusals) {

@@ -60,14 +60,17 @@ def other_exchange(world_size: int) -> str:
 
 def rank_grads(rank: int, world_size: int, bits: int, dtype: torch.dtype, stochastic: bool):
     out = {}
-    for kind in ("native", "dropin", "allreduce", "other_exchange") + (
+    for kind in ("native", "dropin", "allreduce", "other_exchange", "rotated") + (
             ("fp16_wrap",) if dtype == torch.float32 else ()):
         dist._DEFAULT_FIRST_BUCKET_BYTES = dc.BUCKET_BYTES
         ddp = DDP(dc.make_model(dtype), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
         exchange = other_exchange(world_size) if kind == "other_exchange" else "auto"
+        # "auto" rotates without error feedback only; here it is asked for with it.
+        rotation = "hadamard" if kind == "rotated" else "auto"
         state = ddpx.hooks.QuantizedState(bits=bits, block_size=32, start_iter=START,
-                                          stochastic_rounding=stochastic, exchange=exchange)
-        _register(ddp, "native" if kind == "other_exchange" else kind, state)
+                                          stochastic_rounding=stochastic, exchange=exchange,
+                                          rotation=rotation)
+        _register(ddp, "native" if kind in ("other_exchange", "rotated") else kind, state)
         out[kind] = _train(rank, ddp, range(STEPS), dtype)
     return out
 
@@ -98,25 +101,29 @@ def test_dropin_native_and_ranks_agree(world_size, bits, dtype, stochastic):
             assert native.dtype == dtype
             assert torch.equal(native, res[rank]["dropin"][step]), (rank, step)
             assert torch.equal(native, res[0]["native"][step]), (rank, step)
-            # Both exchanges give every rank the same bits.
+            rotated = res[rank]["rotated"][step]
+            # Both exchanges, and the rotation, give every rank the same bits.
             assert torch.equal(other, res[0]["other_exchange"][step]), (rank, step)
+            assert torch.equal(rotated, res[0]["rotated"][step]), (rank, step)
             allreduce = res[rank]["allreduce"][step]
             if step < START:
                 # The warm-up is allreduce_hook's mean, bit for bit.
                 assert torch.equal(native, allreduce), (rank, step)
                 assert torch.equal(other, allreduce), (rank, step)
+                assert torch.equal(rotated, allreduce), (rank, step)
             elif step == START:
                 # The first quantized step (residuals still zero): near the mean, not equal to
                 # it. Relative L2 error, loose bounds of the two levels' errors. (Later steps
                 # add the residuals' changes, e_{t-1} - e_t, which the C++ tests bound.)
                 # Stochastic rounding trades a larger error for no bias: twice the bound.
                 bound = REL_ERROR[bits] * (2 if stochastic else 1)
-                for got in (native, other):
+                for got in (native, other, rotated):
                     diff = (got.double() - allreduce.double()).norm().item()
                     rel = diff / allreduce.double().norm().item()
                     assert 0 < rel <= bound, (rank, step, rel)
                 # The exchanges quantize differently (once by all-gather, twice otherwise).
                 assert not torch.equal(native, other), (rank, step)
+                assert not torch.equal(native, rotated), (rank, step)
         if "fp16_wrap" in res[rank]:
             # The wrapper quantizes the fp16 cast of the bucket: close to the fp32 hook's.
             wrapped = res[rank]["fp16_wrap"][STEPS - 1]
@@ -243,6 +250,10 @@ def rank_api(rank: int, world_size: int):
         "exchange_int": catch(lambda: ddpx.hooks.QuantizedState(exchange=2)),
         "exchange_allreduce": catch(lambda: ddpx.hooks.QuantizedState(exchange="allreduce")),
         "set_exchange_bad": catch(lambda: setattr(st, "exchange", "ring")),
+        "rotation_bad": catch(lambda: ddpx.hooks.QuantizedState(rotation="givens")),
+        "rotation_bool": catch(lambda: ddpx.hooks.QuantizedState(rotation=True)),
+        "rotation_block": catch(lambda: ddpx.hooks.QuantizedState(rotation="hadamard",
+                                                                  block_size=96)),
         "set_bad": catch(lambda: setattr(st, "bits", 5)),
         "wrong_state": catch(lambda: ddpx.register_comm_hook(
             DDP(dc.make_model()), dist.group.WORLD, ddpx.hooks.quantized_hook)),
@@ -253,12 +264,15 @@ def rank_api(rank: int, world_size: int):
     st.exchange = "reduce_scatter"
     checks["after_set"] = (st.bits, st.stochastic_rounding, st.iter, st.state_dict()["bits"],
                            st.exchange, st.state_dict()["exchange"])
+    st.rotation = "hadamard"
     checks["pickled_exchange"] = pickle.loads(pickle.dumps(st)).exchange
+    checks["pickled_rotation"] = pickle.loads(pickle.dumps(st)).rotation
     old = st.state_dict()
-    del old["exchange"]
+    checks["saved_rotation"] = old["rotation"]
+    del old["exchange"], old["rotation"]
     st.exchange = "allgather"
     st.load_state_dict(old)
-    checks["older_checkpoint"] = st.exchange
+    checks["older_checkpoint"] = (st.exchange, st.rotation)
     return checks
 
 
@@ -266,10 +280,13 @@ def test_state_api_follows_torchs_conventions():
     (c,) = run_ranks(rank_api, 1)
     params = inspect.signature(ddpx.hooks.QuantizedState).parameters
     assert list(params) == ["process_group", "bits", "block_size", "use_error_feedback",
-                            "start_iter", "random_seed", "stochastic_rounding", "exchange"]
-    assert [p.default for p in params.values()] == [None, 8, 256, True, 10, 0, False, "auto"]
+                            "start_iter", "random_seed", "stochastic_rounding", "exchange",
+                            "rotation"]
+    assert [p.default for p in params.values()] == [None, 8, 256, True, 10, 0, False, "auto",
+                                                    "auto"]
     assert c["slots"] == ["process_group", "bits", "block_size", "use_error_feedback",
-                          "start_iter", "random_seed", "stochastic_rounding", "exchange", "iter"]
+                          "start_iter", "random_seed", "stochastic_rounding", "exchange",
+                          "rotation", "iter"]
     assert c["no_dict"]
     assert "bits=8" in c["repr"]
     for key, kind, text in [("bits3", "ValueError", "bits must be 1, 2, 4 or 8, got 3"),
@@ -282,12 +299,16 @@ def test_state_api_follows_torchs_conventions():
                             ("exchange_int", "TypeError", "exchange must be a str"),
                             ("exchange_allreduce", "ValueError", "got 'allreduce'"),
                             ("set_exchange_bad", "ValueError", "got 'ring'"),
+                            ("rotation_bad", "ValueError", "'hadamard' or 'none', got 'givens'"),
+                            ("rotation_bool", "TypeError", "rotation must be a str"),
+                            ("rotation_block", "ValueError", "power of two in [8, 8192], got 96"),
                             ("wrong_state", "TypeError", "QuantizedState")]:
         assert c[key] is not None and c[key][0] == kind and text in c[key][1], (key, c[key])
     assert c["after_set"] == (4, True, 7, 4, "reduce_scatter", "reduce_scatter")
     assert c["pickled_exchange"] == "reduce_scatter"
-    # A checkpoint from before the option resumes with the exchange it was taken with.
-    assert c["older_checkpoint"] == "reduce_scatter"
+    assert c["pickled_rotation"] == c["saved_rotation"] == "hadamard"
+    # A checkpoint from before the options resumes as it was taken: by reduce-scatter, unrotated.
+    assert c["older_checkpoint"] == ("reduce_scatter", "none")
     assert list(inspect.signature(ddpx.hooks.quantized_hook).parameters) == ["state", "bucket"]
 
 

@@ -39,6 +39,9 @@
 namespace ddpx {
 namespace hooks {
 
+// QuantizedOptions::rotation.
+enum class QuantRotation { kAuto = 0, kHadamard = 1, kNone = 2 };
+
 struct QuantizedOptions {
   // Bits per value: 8, 4, 2 (symmetric integers: 255, 15, 3 levels) or 1 (signs with a scale of
   // mean |v| per block). 2 bits without error feedback or stochastic rounding scale each block
@@ -52,7 +55,7 @@ struct QuantizedOptions {
   bool use_error_feedback = true;
   // Iterations averaged with a plain allreduce before quantization starts.
   int64_t start_iter = 10;
-  // Seed of the stochastic rounding's counter-based generator.
+  // Seed of the stochastic rounding's counter-based generator and of the rotation's signs.
   int64_t random_seed = 0;
   // Round stochastically (unbiased) instead of to nearest.
   bool stochastic_rounding = false;
@@ -60,10 +63,24 @@ struct QuantizedOptions {
   // sums every message), or kAuto: kAllgather on 2 ranks, where both send the same bytes,
   // kReduceScatter on more. kAllreduce is refused (a backend cannot sum quantized blocks).
   comm::ExchangeMode exchange = comm::ExchangeMode::kAuto;
+  // A random rotation of every whole block before it is quantized (kHadamard): the block's
+  // values times random signs, then through a Hadamard transform, which spreads every block's
+  // energy evenly over its values whatever their shape (one large value, a sparse block); the
+  // receiver rotates back. At 1 bit without error feedback the scale is then the unbiased one
+  // (sum y^2 / sum |y|, DRIVE's): each step's error has mean zero instead of a bias that
+  // accumulates. The wire format is unchanged; block_size must be a power of two in [8, 8192]; a
+  // parameter's short last block is sent unrotated. kAuto: kHadamard without error feedback
+  // (where nothing else carries the error over) when block_size allows it, kNone otherwise.
+  QuantRotation rotation = QuantRotation::kAuto;
 };
 
 // "auto", "allgather" or "reduce_scatter" to the mode; c10::ValueError for anything else.
 comm::ExchangeMode parse_quantized_exchange(const std::string& name);
+// "auto", "hadamard" or "none" to the rotation, and back; c10::ValueError for anything else.
+QuantRotation parse_quantized_rotation(const std::string& name);
+const char* quantized_rotation_name(QuantRotation rotation);
+// Whether options `o` rotate (kAuto resolved).
+bool rotates(const QuantizedOptions& o);
 
 // Throws c10::ValueError naming the bad option.
 void validate(const QuantizedOptions& options);
