@@ -2,7 +2,8 @@
 """quantized_hook's kernels on one thread against memcpy, on the same machine in one run: the
 block quantization with error feedback (reads the values and the residual, writes the residual
 and the message) and the decode (reads the message, writes fp32 values), per bit width, with
-preallocated outputs; and 2 bits without error feedback, with the max|v| and the fitted scale.
+preallocated outputs; 2 bits without error feedback, with the max|v| and the fitted scale; and
+every width without error feedback rotated (quantized_hook's rotation) and not.
 Bandwidth is the bytes one pass must move over its time; the issue's target is >= 50% of
 memcpy's (which moves 8 bytes per fp32 value: read and write).
 
@@ -73,6 +74,29 @@ def main() -> int:
         rows.append({"op": "quantize", "bits": 2, "scale": scale, "ms": tq * 1e3, "gbs": gbs})
         print(f"2 bits without error feedback, {scale} scale: quantize {tq * 1e3:.1f} ms, "
               f"{gbs:.1f} GB/s ({gbs / rows[0]['gbs']:.0%} of memcpy)")
+    # Without error feedback quantized_hook rotates every block (rotation="auto"): the values go
+    # through a random-sign Hadamard transform before the codes (fitted at 2 bits, the unbiased
+    # scale at 1), and every decode rotates back. Against the same passes unrotated.
+    for bits in (8, 4, 2, 1):
+        times = {}
+        for rot in (False, True):
+            kw = dict(fitted_ternary=bits == 2, rotate=rot, unbiased_sign=rot and bits == 1)
+            m = _C.quantize_ef_(x, None, bits, args.block, **kw)
+            tq = best_of(lambda: _C.quantize_ef_(x, None, bits, args.block, out=m, **kw),
+                         args.reps, sync)
+            td = best_of(lambda: _C.dequantize_(m, bits, args.block, out, rotate=rot),
+                         args.reps, sync)
+            times[rot] = (tq, td)
+            rows.append({"op": "quantize", "bits": bits, "rotated": rot, "ms": tq * 1e3,
+                         "gbs": (4 * n + m.numel()) / tq / 1e9})
+            rows.append({"op": "dequantize", "bits": bits, "rotated": rot, "ms": td * 1e3,
+                         "gbs": (4 * n + m.numel()) / td / 1e9})
+        (q0, d0), (q1, d1) = times[False], times[True]
+        print(f"{bits} bit{'s' if bits > 1 else ''} without error feedback, rotated: quantize "
+              f"{q1 * 1e3:.1f} ms (unrotated {q0 * 1e3:.1f}, {q1 / q0:.2f}x; "
+              f"{(4 * n) / q1 / 1e9 / rows[0]['gbs']:.0%} of memcpy), dequantize "
+              f"{d1 * 1e3:.1f} ms (unrotated {d0 * 1e3:.1f}, {d1 / d0:.2f}x; "
+              f"{(4 * n) / d1 / 1e9 / rows[0]['gbs']:.0%} of memcpy)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

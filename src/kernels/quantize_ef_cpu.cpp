@@ -180,6 +180,28 @@ inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale,
 // index draw + i: one generator word per 64 values; the product by a power of two is exact.
 inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, uint64_t draw,
                         float factor) {
+#if defined(__GNUC__)
+  if ((draw & 7) == 0 && len % 8 == 0) {
+    // Eight values at a time (every whole block of a parameter starts at a multiple of 8): the
+    // byte of D's word that holds their signs, spread to the lanes' sign bits. y * -f is -(y * f)
+    // bit for bit, so flipping the product's sign is the scalar loop's q_mul.
+    const v8u lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const v8f vf = {factor, factor, factor, factor, factor, factor, factor, factor};
+    uint64_t word = 0;
+    for (int64_t i = 0; i < len; i += 8) {
+      const uint64_t at = draw + static_cast<uint64_t>(i);
+      if (i == 0 || (at & 63) == 0) word = detail::rotation_word(seed, stream, at >> 6);
+      const uint32_t byte = static_cast<uint32_t>(word >> (at & 63)) & 0xffu;
+      const v8u flip = (((v8u{byte, byte, byte, byte, byte, byte, byte, byte}) >> lane) & 1u)
+                       << 31;
+      v8f v;
+      std::memcpy(&v, y + i, sizeof(v));
+      v = (v8f)((v8u)(v * vf) ^ flip);
+      std::memcpy(y + i, &v, sizeof(v));
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < len;) {
     const uint64_t at = draw + static_cast<uint64_t>(i);
     const uint64_t word = detail::rotation_word(seed, stream, at >> 6);
@@ -195,36 +217,86 @@ inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, u
   }
 }
 
+#if defined(__GNUC__)
+// (a, b) -> (a + b, a - b), lane by lane.
+inline void butterfly(v8f& a, v8f& b) {
+  const v8f t = a;
+  a = t + b;
+  b = t - b;
+}
+
+// Stages 1, 2 and 4 within one vector of eight values, in place: v * (+-1) + (v's partners), which
+// is a + b or -b + a = a - b exactly, with one shuffle a stage. (By reference: a vector returned
+// by value changes the baseline clone's ABI.)
+inline void hadamard8(v8f& v) {
+  const v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+  const v8f s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+  const v8f s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+  v = v * s1 + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  v = v * s2 + __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v * s4 + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+}
+
+// Stages 1 to 32 of 64 consecutive values, in eight registers.
+inline void hadamard64(float* y) {
+  v8f r[8];
+  std::memcpy(r, y, sizeof(r));
+  for (v8f& v : r) hadamard8(v);
+  butterfly(r[0], r[1]);
+  butterfly(r[2], r[3]);
+  butterfly(r[4], r[5]);
+  butterfly(r[6], r[7]);
+  butterfly(r[0], r[2]);
+  butterfly(r[1], r[3]);
+  butterfly(r[4], r[6]);
+  butterfly(r[5], r[7]);
+  butterfly(r[0], r[4]);
+  butterfly(r[1], r[5]);
+  butterfly(r[2], r[6]);
+  butterfly(r[3], r[7]);
+  std::memcpy(y, r, sizeof(r));
+}
+#endif
+
 // In place, y = H y for len = 2^k values: stages h = 1, 2, ..., len / 2, each taking the pairs
-// (i, i + h) of every group of 2h values to (a + b, a - b). The CUDA kernels run the same stages,
-// so the sums are the same. The first three stages work within groups of eight, in vector
-// shuffles (a + b * (+-1) is a + b or a - b exactly).
+// (i, i + h) of every group of 2h values to (a + b, a - b). The CUDA kernels run the same
+// stages, so the sums are the same bit for bit (each value's sums are fixed by the stages, not
+// by the loop order). Stages 1 to 32 go in registers, 64 values at a time; the later ones pass
+// over the block once each.
 inline void hadamard(float* y, int64_t len) {
-  int64_t h = 1;
 #if defined(__GNUC__)
   if (len >= 8) {
-    const v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1};
-    const v8f s2 = {1, 1, -1, -1, 1, 1, -1, -1};
-    const v8f s4 = {1, 1, 1, 1, -1, -1, -1, -1};
-    for (int64_t g = 0; g < len; g += 8) {
-      v8f v;
-      std::memcpy(&v, y + g, sizeof(v));
-      v = __builtin_shufflevector(v, v, 0, 0, 2, 2, 4, 4, 6, 6) +
-          __builtin_shufflevector(v, v, 1, 1, 3, 3, 5, 5, 7, 7) * s1;
-      v = __builtin_shufflevector(v, v, 0, 1, 0, 1, 4, 5, 4, 5) +
-          __builtin_shufflevector(v, v, 2, 3, 2, 3, 6, 7, 6, 7) * s2;
-      v = __builtin_shufflevector(v, v, 0, 1, 2, 3, 0, 1, 2, 3) +
-          __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7) * s4;
-      std::memcpy(y + g, &v, sizeof(v));
+    int64_t h = 64;
+    if (len >= 64) {
+      for (int64_t g = 0; g < len; g += 64) hadamard64(y + g);
+    } else {
+      for (int64_t g = 0; g < len; g += 8) {
+        v8f v;
+        std::memcpy(&v, y + g, sizeof(v));
+        hadamard8(v);
+        std::memcpy(y + g, &v, sizeof(v));
+      }
+      h = 8;
     }
-    h = 8;
+    for (; h < len; h *= 2) {
+      for (int64_t g = 0; g < len; g += 2 * h) {
+        for (int64_t i = 0; i < h; i += 8) {
+          v8f a, b;
+          std::memcpy(&a, y + g + i, sizeof(a));
+          std::memcpy(&b, y + g + h + i, sizeof(b));
+          butterfly(a, b);
+          std::memcpy(y + g + i, &a, sizeof(a));
+          std::memcpy(y + g + h + i, &b, sizeof(b));
+        }
+      }
+    }
+    return;
   }
 #endif
-  for (; h < len; h *= 2) {
+  for (int64_t h = 1; h < len; h *= 2) {
     for (int64_t g = 0; g < len; g += 2 * h) {
       float* lo = y + g;
       float* hi = y + g + h;
-#pragma omp simd
       for (int64_t i = 0; i < h; ++i) {
         const float a = lo[i], b = hi[i];
         lo[i] = detail::q_add(a, b);
