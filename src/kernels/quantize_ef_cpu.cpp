@@ -192,8 +192,7 @@ inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, u
       const uint64_t at = draw + static_cast<uint64_t>(i);
       if (i == 0 || (at & 63) == 0) word = detail::rotation_word(seed, stream, at >> 6);
       const uint32_t byte = static_cast<uint32_t>(word >> (at & 63)) & 0xffu;
-      const v8u flip = (((v8u{byte, byte, byte, byte, byte, byte, byte, byte}) >> lane) & 1u)
-                       << 31;
+      const v8u flip = (((v8u{byte, byte, byte, byte, byte, byte, byte, byte}) >> lane) & 1u) << 31;
       v8f v;
       std::memcpy(&v, y + i, sizeof(v));
       v = (v8f)((v8u)(v * vf) ^ flip);
