@@ -355,14 +355,16 @@ def psgd(name: str, registration: str, hook: Callable, rank: int, **kw) -> Confi
 
 
 def quantized(registration: str, bits: int, error_feedback: bool = True,
-              stochastic: bool = False) -> Config:
+              stochastic: bool = False, rotation: str = "auto") -> Config:
     """A ddpx quantized_hook row: QuantizedState(bits=bits, use_error_feedback=error_feedback,
     stochastic_rounding=stochastic, start_iter=--quantized-start, random_seed=0), blocks of 256
-    (the default), the exchange --quantized-exchange when it is not "auto" (an older ddpx has no
-    such option); a fresh state per run."""
+    (the default), the exchange --quantized-exchange and `rotation` when they are not "auto" (an
+    older ddpx has no such options); a fresh state per run."""
     def state(args: argparse.Namespace) -> Any:
         extra = {} if args.quantized_exchange == "auto" else {
             "exchange": args.quantized_exchange}
+        if rotation != "auto":
+            extra["rotation"] = rotation
         return H.QuantizedState(process_group=None, bits=bits,
                                 use_error_feedback=error_feedback,
                                 start_iter=args.quantized_start, random_seed=0,
@@ -374,6 +376,8 @@ def quantized(registration: str, bits: int, error_feedback: bool = True,
         name += ", no error feedback"
     if stochastic:
         name += ", stochastic rounding"
+    if rotation == "none":
+        name += ", no rotation"
     return Config(name, registration, reg, wire_quantized(bits), quantized=True)
 
 
@@ -580,8 +584,11 @@ CONFIGS: List[Config] = [
     quantized("native", 4, error_feedback=False),
     quantized("native", 2, error_feedback=False),
     quantized("native", 1, error_feedback=False),
-    # Without error feedback the nearest level is biased at 2 and 1 bits; stochastic rounding is
-    # the unbiased way to train without it.
+    # Without error feedback "auto" rotates every block; these rows show what the rotation buys.
+    quantized("native", 2, error_feedback=False, rotation="none"),
+    quantized("native", 1, error_feedback=False, rotation="none"),
+    # Stochastic rounding: unbiased too, at the price of max|v| scales (more variance than the
+    # rotation's unbiased sign scale).
     quantized("native", 2, error_feedback=False, stochastic=True),
     quantized("native", 1, error_feedback=False, stochastic=True),
     quantized("drop-in", 8),
