@@ -833,6 +833,24 @@ TEST(QuantizedHook, AllgatherSumsEveryRanksMessageInRankOrder) {
   }
 }
 
+// state_dict() saves the option `key` of `st` by its name `name`, and load_state_dict()
+// restores it (`get` reads it: `saved`); a dict without the key, saved before the option existed,
+// loads as `older`; an unknown name `bad` is a ValueError naming the key.
+template <typename Get, typename V>
+void check_option_saved(const QuantizedState& st, const std::string& key, const std::string& name,
+                        Get get, V saved, V older, const std::string& bad) {
+  auto d = st.state_dict();
+  EXPECT_EQ(d.at(key).toStringRef(), name);
+  QuantizedState back(st.process_group(), options(8, 64));
+  back.load_state_dict(d);
+  EXPECT_EQ(get(back.options()), saved);
+  EXPECT_EQ(d.erase(key), 1u);
+  back.load_state_dict(d);
+  EXPECT_EQ(get(back.options()), older);
+  d.insert(key, bad);
+  EXPECT_THAT(ddpx_test::value_error([&] { back.load_state_dict(d); }), HasSubstr(key));
+}
+
 TEST(QuantizedHook, ExchangeOptionAndOlderCheckpoints) {
   const auto& pgs = ddpx_test::shared_gloo_world(1);
   QuantizedOptions o = options(8, 64);
@@ -844,19 +862,12 @@ TEST(QuantizedHook, ExchangeOptionAndOlderCheckpoints) {
               HasSubstr("got 'ring'"));
   EXPECT_EQ(ddpx::hooks::parse_quantized_exchange("allgather"), ExchangeMode::kAllgather);
   o.exchange = ExchangeMode::kAllgather;
-  QuantizedState st(pgs[0], o);
-  auto d = st.state_dict();
-  EXPECT_EQ(d.at("exchange").toStringRef(), "allgather");
-  QuantizedState back(pgs[0], options(8, 64));
-  back.load_state_dict(d);
-  EXPECT_EQ(back.options().exchange, ExchangeMode::kAllgather);
   // A checkpoint from before the option: its residuals came from the reduce-scatter exchange,
   // and it resumes with it.
-  EXPECT_EQ(d.erase("exchange"), 1u);
-  back.load_state_dict(d);
-  EXPECT_EQ(back.options().exchange, ExchangeMode::kReduceScatter);
-  d.insert("exchange", std::string("allreduce"));
-  EXPECT_THAT(ddpx_test::value_error([&] { back.load_state_dict(d); }), HasSubstr("exchange"));
+  check_option_saved(
+      QuantizedState(pgs[0], o), "exchange", "allgather",
+      [](const QuantizedOptions& q) { return q.exchange; }, ExchangeMode::kAllgather,
+      ExchangeMode::kReduceScatter, "allreduce");
 }
 
 TEST(QuantizedHook, WarmUpIsAllreduceAndCheckpointResumesBitForBit) {
@@ -1085,18 +1096,11 @@ TEST(QuantizedHook, RotationOptionAndOlderCheckpoints) {
               HasSubstr("rotation must be 'auto', 'hadamard' or 'none', got 'givens'"));
   o.block_size = 64;
   EXPECT_TRUE(ddpx::hooks::rotates(o));  // with error feedback too, when asked for
-  QuantizedState st(pgs[0], o);
-  auto d = st.state_dict();
-  EXPECT_EQ(d.at("rotation").toStringRef(), "hadamard");
-  QuantizedState back(pgs[0], options(8, 64));
-  back.load_state_dict(d);
-  EXPECT_EQ(back.options().rotation, QuantRotation::kHadamard);
   // A checkpoint from before the option was taken without rotation, and resumes without it.
-  EXPECT_EQ(d.erase("rotation"), 1u);
-  back.load_state_dict(d);
-  EXPECT_EQ(back.options().rotation, QuantRotation::kNone);
-  d.insert("rotation", std::string("givens"));
-  EXPECT_THAT(ddpx_test::value_error([&] { back.load_state_dict(d); }), HasSubstr("rotation"));
+  check_option_saved(
+      QuantizedState(pgs[0], o), "rotation", "hadamard",
+      [](const QuantizedOptions& q) { return q.rotation; }, QuantRotation::kHadamard,
+      QuantRotation::kNone, "givens");
 }
 
 TEST(QuantizedHook, SixteenBitBucketsAndRefusals) {
