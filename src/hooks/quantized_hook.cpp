@@ -495,7 +495,7 @@ namespace {
 FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
                           const at::Tensor& worker,
                           const std::shared_ptr<const detail::QuantLayout>& layout,
-                          const kernels::QuantSpec& spec) {
+                          const kernels::QuantSpec& spec, const kernels::Unrotate& unrotate) {
   const detail::QuantLayout& L = *layout;
   auto& pool = comm::StagingPool::instance();
   const int64_t S = L.all_bytes, world = L.world, rank = L.rank;
@@ -523,9 +523,6 @@ FuturePtr gather_exchange(const ProcessGroupPtr& pg, const at::Tensor& buffer,
   auto work = compat::all_to_all_single(*pg, recv, send, recv_splits, splits);
   const int bits = spec.bits;
   const int64_t block = spec.block;
-  // Row r was rotated with rank r's stream.
-  const kernels::Unrotate unrotate =
-      unrotate_of(spec, spec.stream - static_cast<uint64_t>(rank), 1);
   return comm::future_of(*work, buffer.device())
       ->then(
           [rows, send, buffer, layout, bits, block, unrotate](c10::ivalue::Future& f) {
@@ -591,8 +588,10 @@ c10::intrusive_ptr<c10::ivalue::Future> QuantizedHook::runHook(c10d::GradBucket&
   st.maybe_increase_iter(last);
   if (L.gather) {
     mem.deferred.flush();  // a reduce-scatter bucket's second round, should the options change
-    return gather_exchange(pg, buffer, worker, layout,
-                           quant_spec_of(o, quant_stream_id(iter, 0, rank)));
+    // Row r of the sum is rank r's message, quantized with rank r's stream.
+    const kernels::QuantSpec spec = quant_spec_of(o, quant_stream_id(iter, 0, rank));
+    return gather_exchange(pg, buffer, worker, layout, spec,
+                           unrotate_of(spec, quant_stream_id(iter, 0, 0), 1));
   }
 
   // Round one: every other owner's blocks of (bucket + residual), quantized, to their owner. A

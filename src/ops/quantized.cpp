@@ -31,6 +31,12 @@ void check_qtensor(const at::Tensor& t, const char* op, const char* what) {
               t.device(), " tensors");
 }
 
+// Rotated blocks (QuantSpec::rotate, Unrotate) must be a size the kernels can rotate.
+void check_rotation(bool rotated, int64_t block, const char* op) {
+  TORCH_CHECK(!rotated || kernels::rotation_block_ok(block), op,
+              ": rotated blocks must hold a power of two in [8, 8192] values, got ", block);
+}
+
 void check_qformat(int bits, int64_t block, const char* op) {
   TORCH_CHECK(kernels::valid_quant_bits(bits), op, ": bits must be 1, 2, 4 or 8, got ", bits);
   TORCH_CHECK(block >= 1 && block * bits % 8 == 0, op, ": block ", block,
@@ -99,8 +105,7 @@ void quantize_ef_into(const at::Tensor& x, const at::Tensor& residual, const Blo
                       const kernels::QuantSpec& spec, const at::Tensor& message) {
   const char* op = "ddpx::ops::quantize_ef_into";
   check_qformat(spec.bits, spec.block, op);
-  TORCH_CHECK(!spec.rotate || kernels::rotation_block_ok(spec.block), op,
-              ": rotated blocks must hold a power of two in [8, 8192] values, got ", spec.block);
+  check_rotation(spec.rotate, spec.block, op);
   check_qtensor(x, op, "x");
   check_covers(table, x, spec.block, op, "x");
   const int64_t blocks = table.size();
@@ -136,8 +141,7 @@ void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, in
                          const ExactValues& exact, const kernels::Unrotate& unrotate) {
   const char* op = "ddpx::ops::dequantize_sum_into";
   check_qformat(bits, block, op);
-  TORCH_CHECK(!unrotate.on || kernels::rotation_block_ok(block), op,
-              ": rotated blocks must hold a power of two in [8, 8192] values, got ", block);
+  check_rotation(unrotate.on, block, op);
   check_qtensor(dst, op, "dst");
   check_covers(table, dst, block, op, "dst");
   TORCH_CHECK(dst.scalar_type() == at::kFloat, op, ": dst must be fp32");
@@ -191,8 +195,7 @@ void dequantize_into(const at::Tensor& message, const BlockTable& table, int bit
                      const at::Tensor& dst, const kernels::Unrotate& unrotate) {
   const char* op = "ddpx::ops::dequantize_into";
   check_qformat(bits, block, op);
-  TORCH_CHECK(!unrotate.on || kernels::rotation_block_ok(block), op,
-              ": rotated blocks must hold a power of two in [8, 8192] values, got ", block);
+  check_rotation(unrotate.on, block, op);
   check_qtensor(dst, op, "dst");
   check_covers(table, dst, block, op, "dst");
   const int64_t blocks = table.size();
