@@ -51,7 +51,7 @@ struct QuantizedOptions {
   // Values per scale; block_size * bits must be a multiple of 8.
   int64_t block_size = 256;
   // Keep each level's quantization error and add it to the next step's values. Without it the
-  // error is dropped every step (biased for 1 and 2 bits).
+  // error is dropped every step (the plain 1- and 2-bit codes are biased; see rotation).
   bool use_error_feedback = true;
   // Iterations averaged with a plain allreduce before quantization starts.
   int64_t start_iter = 10;

@@ -54,7 +54,8 @@ class QuantizedState(NativeState):
             ``32 / block_size`` bits per value of scales.
         use_error_feedback: keep each level's quantization error and add it to the next step's
             values, so that errors do not accumulate (Seide et al. 2014; Karimireddy et al.
-            2019). Without it, 1 and 2 bits are biased.
+            2019). Without it the plain 1- and 2-bit codes are biased; the rotation (on by
+            default without error feedback) keeps them close to allreduce.
         start_iter: iterations averaged with a plain allreduce first (``allreduce_hook``'s
             result), while DDP settles its buckets and the first large gradients pass.
         random_seed: seed of the stochastic rounding and of the rotation's signs.
