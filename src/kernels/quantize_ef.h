@@ -60,6 +60,13 @@
 
 #include "cast.h"
 
+// Members the CUDA kernels call too.
+#if defined(__CUDACC__)
+#define DDPX_QEF_HOST_DEVICE __host__ __device__
+#else
+#define DDPX_QEF_HOST_DEVICE
+#endif
+
 namespace ddpx {
 namespace kernels {
 
@@ -115,7 +122,7 @@ struct Unrotate {
   uint64_t seed = 0;
   uint64_t stream0 = 0;
   uint64_t stream_step = 0;
-  uint64_t stream_of(int64_t term) const {
+  DDPX_QEF_HOST_DEVICE uint64_t stream_of(int64_t term) const {
     return stream0 + static_cast<uint64_t>(term) * stream_step;
   }
 };

@@ -176,10 +176,11 @@ inline void encode_nearest(const float* vb, float* rb, int64_t len, float scale,
 
 #endif  // DDPX_QEF_VECTOR_ENCODE
 
-// The rotation (QuantSpec::rotate, quantize_ef_inl.h). y[i] *= +-factor, the sign D's for draw
-// index draw + i: one generator word per 64 values; the product by a power of two is exact.
-inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, uint64_t draw,
-                        float factor) {
+// The rotation (QuantSpec::rotate, quantize_ef_inl.h). dst[i] = src[i] * +-factor (dst may be
+// src), the sign D's for draw index draw + i: one generator word per 64 values; the product by a
+// power of two is exact.
+inline void scale_signs(const float* src, float* dst, int64_t len, uint64_t seed, uint64_t stream,
+                        uint64_t draw, float factor) {
 #if defined(__GNUC__)
   if ((draw & 7) == 0 && len % 8 == 0) {
     // Eight values at a time (every whole block of a parameter starts at a multiple of 8): the
@@ -194,9 +195,9 @@ inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, u
       const uint32_t byte = static_cast<uint32_t>(word >> (at & 63)) & 0xffu;
       const v8u flip = (((v8u{byte, byte, byte, byte, byte, byte, byte, byte}) >> lane) & 1u) << 31;
       v8f v;
-      std::memcpy(&v, y + i, sizeof(v));
+      std::memcpy(&v, src + i, sizeof(v));
       v = (v8f)((v8u)(v * vf) ^ flip);
-      std::memcpy(y + i, &v, sizeof(v));
+      std::memcpy(dst + i, &v, sizeof(v));
     }
     return;
   }
@@ -206,11 +207,10 @@ inline void scale_signs(float* y, int64_t len, uint64_t seed, uint64_t stream, u
     const uint64_t word = detail::rotation_word(seed, stream, at >> 6);
     const int first = static_cast<int>(at & 63);
     const int64_t n = std::min<int64_t>(len - i, 64 - first);
-    float* yi = y + i;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
       const bool flip = (word >> (first + j)) & 1u;
-      yi[j] = detail::q_mul(yi[j], flip ? -factor : factor);
+      dst[i + j] = detail::q_mul(src[i + j], flip ? -factor : factor);
     }
     i += n;
   }
@@ -305,16 +305,17 @@ inline void hadamard(float* y, int64_t len) {
   }
 }
 
-// y = c H D v (a whole block of `len` = block values).
-inline void rotate_forward(float* y, int64_t len, const QuantSpec& spec, uint64_t draw) {
-  scale_signs(y, len, spec.seed, spec.stream, draw, detail::rotation_forward_factor(len));
+// y = c H D v (a whole block of `len` = block values; y and v distinct).
+inline void rotate_forward(const float* v, float* y, int64_t len, const QuantSpec& spec,
+                           uint64_t draw) {
+  scale_signs(v, y, len, spec.seed, spec.stream, draw, detail::rotation_forward_factor(len));
   hadamard(y, len);
 }
 
 // d = 2^-floor(k/2) D H d, in place (the inverse of rotate_forward).
 inline void rotate_back(float* d, int64_t len, uint64_t seed, uint64_t stream, uint64_t draw) {
   hadamard(d, len);
-  scale_signs(d, len, seed, stream, draw, detail::rotation_inverse_factor(len));
+  scale_signs(d, d, len, seed, stream, draw, detail::rotation_inverse_factor(len));
 }
 
 // The fitted 2-bit mode's scale of a finite block (quantize_ef.h): the ternary scale t, or -h
@@ -436,8 +437,7 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
     float* eb = vb;
     if (rotated) {
       eb = y.data();
-      std::memcpy(eb, vb, static_cast<size_t>(len) * sizeof(float));
-      rotate_forward(eb, len, spec, refs[b].draw);
+      rotate_forward(vb, eb, len, spec, refs[b].draw);
       absmax = 0.0f;
       abssum = 0.0f;
 #pragma omp simd reduction(max : absmax) reduction(+ : abssum) reduction(| : nonfinite)

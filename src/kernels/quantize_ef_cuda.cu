@@ -274,7 +274,7 @@ __global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, in
       }
       __syncthreads();
       hadamard_shared(y, len);
-      const uint64_t stream = unrotate.stream0 + static_cast<uint64_t>(t) * unrotate.stream_step;
+      const uint64_t stream = unrotate.stream_of(t);
       for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
         dst[begin + i] =
             __fadd_rn(dst[begin + i], unrotated(y, i, unrotate.seed, stream, refs[m].draw, f));
@@ -318,7 +318,7 @@ __global__ void dequantize_kernel(const uint8_t* message, int64_t blocks, const 
     __syncthreads();
     hadamard_shared(y, len);
     const float f = detail::rotation_inverse_factor(block);
-    const uint64_t stream = unrotate.stream0;
+    const uint64_t stream = unrotate.stream_of(0);
     for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
       dst[begin + i] = Elem<D>::store(unrotated(y, i, unrotate.seed, stream, refs[m].draw, f));
     }

@@ -622,13 +622,22 @@ TEST(Quantize, RotatedSignsDifferByStreamAndThreadsAgree) {
   quantize(x, at::Tensor(), rotating(2, block, 1, false), a);
   quantize(x, at::Tensor(), rotating(2, block, 2, false), b);
   EXPECT_FALSE(at::equal(a, b));  // another stream, other signs
-  // One thread and several give the same bits (each block is its own).
-  at::Tensor one = message_for(x, 2, block);
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  quantize(x, at::Tensor(), rotating(2, block, 1, false), one);
-  at::set_num_threads(threads);
-  EXPECT_TRUE(at::equal(a, one));
+  // One thread and two give the same bits and residuals (each block is its own): enough blocks
+  // for several tasks (the ops split 256 blocks of 256 per task).
+  {
+    const int64_t big = 1 << 18;
+    const at::Tensor xs = normal_input(45, big);
+    at::Tensor r1 = normal_input(46, big) * 0.01, r2 = r1.clone();
+    at::Tensor m1 = message_for(xs, 2, block), m2 = message_for(xs, 2, block);
+    const int threads = at::get_num_threads();
+    at::set_num_threads(1);
+    quantize(xs, r1, rotating(2, block, 1, false), m1);
+    at::set_num_threads(2);
+    quantize(xs, r2, rotating(2, block, 1, false), m2);
+    at::set_num_threads(threads);
+    EXPECT_TRUE(at::equal(m1, m2));
+    EXPECT_TRUE(at::equal(r1, r2));
+  }
   // Non-finite values reach the receiver as NaN over their block only, as without rotation;
   // so does a finite block whose rotated values overflow.
   at::Tensor bad = x.clone();

@@ -32,7 +32,7 @@ from torch.distributed.optim import DistributedOptimizer as TorchDistributedOpti
 import ddpx
 import selection
 from ddpx.optim import DistributedOptimizer
-from dist_utils import RankError, run_ranks
+from dist_utils import run_ranks
 
 RPC_TIMEOUT_S = 60
 
@@ -46,36 +46,22 @@ def _stacks_on_abort():
 
 def _init_rpc(rank, world_size, init_file, timeout=RPC_TIMEOUT_S):
     _stacks_on_abort()
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}",
+    # A file of this launch's own (rank 0's pid): run_ranks may launch the workers again after an
+    # abort, and the first launch's file must not be read then.
+    launch = [os.getpid() if rank == 0 else None]
+    dist.broadcast_object_list(launch, src=0)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}.{launch[0]}",
                                            rpc_timeout=timeout)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
 
 
-def _worker_aborted(text: str) -> bool:
-    """Whether a RankError says an RPC worker process aborted (SIGABRT) and took the others'
-    connections down: "exited with code -6", or tensorpipe's "eof" on a peer."""
-    return "exited with code -6" in text or "eof (this error originated at tensorpipe" in text
-
-
 def _run(fn, world_size, *args, timeout=240.0):
-    """Runs fn(rank, world_size, init_file, *args) on world_size RPC workers.
-
-    Once, when a worker process aborted, the run is launched again: CI saw a worker abort on
-    ``std::bad_alloc`` inside torch's RPC agent twice (a ddpx test and, before any ddpx optimizer
-    had run in those processes, torch's own DistributedOptimizer in the differential run), never
-    reproduced alone. The first failure is printed; a second one fails the test."""
-    for attempt in range(2):
-        with tempfile.TemporaryDirectory(prefix="ddpx_rpc_") as d:
-            init_file = os.path.join(d, "rpc_init")
-            try:
-                return run_ranks(fn, world_size, args=(init_file,) + args, timeout=timeout)
-            except RankError as exc:
-                if attempt == 0 and _worker_aborted(str(exc)):
-                    print(f"test_dist_optim: an RPC worker aborted; running once more:\n{exc}",
-                          file=sys.stderr)
-                    continue
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+    """Runs fn(rank, world_size, init_file, *args) on world_size RPC workers (once more if a
+    worker aborted: run_ranks' retry_aborted)."""
+    with tempfile.TemporaryDirectory(prefix="ddpx_rpc_") as d:
+        init_file = os.path.join(d, "rpc_init")
+        return run_ranks(fn, world_size, args=(init_file,) + args, timeout=timeout,
+                         retry_aborted=True)
 
 
 # ---- owner-side helpers (run on the workers through RPC) ------------------------------------
