@@ -13,3 +13,4 @@
 #include <ddpx/hooks/powersgd_state.h>
 #include <ddpx/hooks/quantization_hook.h>
 #include <ddpx/hooks/quantized_hook.h>
+#include <ddpx/hooks/zero_reduce_scatter_hook.h>

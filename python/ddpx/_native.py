@@ -25,6 +25,7 @@ around a hook included):
 import atexit
 import functools
 import logging
+import sys
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
@@ -109,17 +110,33 @@ def _hook_function(first_param: str) -> HookFn:
 
 
 def make_hook(name: str, build: Callable[[Any], "_C.CommHook"], doc: str,
-              state_type: type = dist.ProcessGroup, first_param: str = "state") -> HookFn:
+              state_type: type = dist.ProcessGroup, first_param: str = "state", *,
+              qualname: Optional[str] = None, module: Optional[str] = None) -> HookFn:
     """A ddpx hook function named ``name``: ``build(native_state(state, name, state_type))``
     makes its C++ object for a state. ``first_param``: the name of its state parameter (torch's,
-    see :func:`_hook_function`)."""
+    see :func:`_hook_function`).
+
+    The hook pickles by reference, as torch's hook functions do: pickle records its
+    ``__module__`` and ``__qualname__`` and finds the very same function there when it loads, so
+    ``pickle.loads(pickle.dumps(hook)) is hook`` and a checkpoint holding the hook beside its
+    state reloads. They are ``module`` (by default the module that calls make_hook) and
+    ``qualname`` (by default ``name``): right for a hook assigned to the module-level name
+    ``name`` (``powerSGD_hook = make_hook("powerSGD_hook", ...)``). A hook made elsewhere names
+    where it can be found (the compress wrappers' results). DDP's logging data records the
+    ``__qualname__`` as the hook's name, on both paths.
+    """
     hook = _hook_function(first_param)
 
-    # torch 1.13's DDP refuses any hook *named* bf16_compress_hook unless torch has CUDA and
-    # NCCL >= 2.10, before the hook runs. ddpx's bf16 hooks work on Gloo and CPU, so their
-    # function objects carry a ddpx_ prefix; the module attribute keeps torch's name.
+    # torch 1.13's DDP refuses any hook whose __name__ is bf16_compress_hook (or
+    # bf16_compress_wrapper_hook) unless torch has CUDA and NCCL >= 2.10, before the hook runs.
+    # ddpx's bf16 hooks work on Gloo and CPU, so their __name__ carries a ddpx_ prefix; DDP reads
+    # only the __name__ for that check, so the __qualname__ keeps the attribute's name, by which
+    # pickle finds the function.
     hook.__name__ = ("ddpx_" + name) if name.startswith("bf16") else name
-    hook.__qualname__ = hook.__name__
+    hook.__qualname__ = name if qualname is None else qualname
+    # The caller's module, as namedtuple and enum's functional API find theirs.
+    hook.__module__ = module if module is not None else sys._getframe(1).f_globals.get(
+        "__name__", __name__)
     hook.__doc__ = doc
     hook._ddpx_factory = lambda state: build(native_state(state, name, state_type))  # type: ignore[attr-defined]
     hook._ddpx_name = name  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 
 namespace ddpx {
@@ -20,10 +21,38 @@ namespace comm {
 // times the two.)
 class StagingPool {
  public:
+  // Never destroyed: a lease may be released by a future or a state that outlives static
+  // destruction at exit.
   static StagingPool& instance() {
-    static StagingPool pool;
-    return pool;
+    static StagingPool* pool = new StagingPool();
+    return *pool;
   }
+
+  // A buffer of the pool, given back when the last copy of the lease goes (so every future and
+  // callback that uses it holds it, and no call pairs an acquire with a release by hand). A device
+  // buffer is not pooled: it is freed then, and whoever read it on another stream than its
+  // allocation's records that stream (keep_until_current_stream_done) where it reads it.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(int64_t nbytes, const at::TensorOptions& options)
+        : held_(std::make_shared<Held>(instance().acquire(nbytes, options))) {}
+    // The buffer (undefined for a default-constructed lease).
+    const at::Tensor& get() const {
+      static const at::Tensor none;
+      return held_ ? held_->t : none;
+    }
+
+   private:
+    struct Held {
+      explicit Held(at::Tensor tensor) : t(std::move(tensor)) {}
+      ~Held() { instance().release(std::move(t)); }
+      Held(const Held&) = delete;
+      Held& operator=(const Held&) = delete;
+      at::Tensor t;
+    };
+    std::shared_ptr<Held> held_;
+  };
 
   at::Tensor acquire(int64_t nbytes, const at::TensorOptions& options) {
     if (options.device().is_cpu()) {

@@ -2,6 +2,7 @@
 #include <ddpx/hooks/allreduce_hook.h>
 
 #include "comm/exchange.h"
+#include "hooks/agreement.h"
 #include "hooks/hook_utils.h"
 
 namespace ddpx {
@@ -21,6 +22,10 @@ c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::runHook(c10d::GradBucket&
   const at::Tensor& buffer = bucket.getBuffer();
   try {
     detail::check_bucket(buffer, name(), /*sparse_ok=*/true);
+    detail::agree_once(agreed_epoch_, pg_, buffer.device(), 0, [&] {
+      return detail::Fingerprint(name()).add_choice("exchange", static_cast<int64_t>(exchange_),
+                                                    detail::exchange_mode_names());
+    });
   } catch (...) {
     scatter_->flush();  // the previous bucket's second round goes out in every rank's order
     throw;

@@ -3,6 +3,7 @@
 #include <ddpx/hooks/compress_hook.h>
 
 #include "comm/exchange.h"
+#include "hooks/agreement.h"
 #include "hooks/hook_utils.h"
 #include "ops/cast.h"
 
@@ -31,6 +32,10 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressHook::runHook(c10d::GradBucket& 
   const at::Tensor& buffer = bucket.getBuffer();
   try {
     detail::check_bucket(buffer, name());
+    detail::agree_once(agreed_epoch_, pg_, buffer.device(), 0, [&] {
+      return detail::Fingerprint(name()).add_choice("exchange", static_cast<int64_t>(exchange_),
+                                                    detail::exchange_mode_names());
+    });
   } catch (...) {
     scatter_->flush();  // the previous bucket's second round goes out in every rank's order
     throw;

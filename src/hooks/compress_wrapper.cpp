@@ -2,6 +2,7 @@
 #include <c10/util/Exception.h>
 #include <ddpx/hooks/compress_wrapper.h>
 
+#include "hooks/agreement.h"
 #include "hooks/hook_utils.h"
 #include "ops/cast.h"
 
@@ -25,6 +26,8 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressWrapper::runHook(c10d::GradBucke
   bucket.setBuffer(compressed);
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   try {
+    // The wrapped hook exchanges 16-bit values: its fingerprint names this wrapper.
+    const detail::WrappedBy wrapped(name());
     fut = hook_->runHook(bucket);
   } catch (...) {
     bucket.setBuffer(original);

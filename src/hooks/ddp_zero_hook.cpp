@@ -42,7 +42,13 @@ class ZeroStepHook final : public CommHook {
   }
 
   FuturePtr runHook(c10d::GradBucket& bucket) override {
-    FuturePtr fut = hook_->runHook(bucket);
+    FuturePtr fut;
+    {
+      // Ranks with and without the overlap step exchange differently: the wrapped hook's
+      // fingerprint names this wrapper.
+      const detail::WrappedBy wrapped(name());
+      fut = hook_->runHook(bucket);
+    }
     // A backward pass interrupted by an exception left buckets that must not be stepped.
     if (bucket.getIndex() == 0) pending_.clear();
     if (interleaved_) {

@@ -4,6 +4,7 @@
 #include <ddpx/hooks/post_localsgd_hook.h>
 
 #include "comm/exchange.h"
+#include "hooks/agreement.h"
 #include "hooks/hook_utils.h"
 
 namespace ddpx {
@@ -39,16 +40,29 @@ PostLocalSGDState::PostLocalSGDState(ProcessGroupPtr process_group, ProcessGroup
 void PostLocalSGDState::set_process_group(ProcessGroupPtr pg) {
   check_global_group(pg);
   process_group_ = std::move(pg);
+  ++epoch_;
+}
+
+void PostLocalSGDState::set_subgroup(ProcessGroupPtr pg) {
+  subgroup_ = std::move(pg);
+  ++epoch_;
 }
 
 void PostLocalSGDState::set_start_localSGD_iter(int64_t value) {
   check_start(value);
   start_localSGD_iter_ = value;
+  ++epoch_;
+}
+
+void PostLocalSGDState::set_post_local_gradient_allreduce(bool value) {
+  post_local_gradient_allreduce_ = value;
+  ++epoch_;
 }
 
 void PostLocalSGDState::set_iter(int64_t value) {
   TORCH_CHECK_VALUE(value >= 0, kWho, ": iter must be >= 0, got ", value);
   iter_ = value;
+  ++epoch_;
 }
 
 void PostLocalSGDState::maybe_increase_iter(bool bucket_is_last) {
@@ -104,6 +118,7 @@ void PostLocalSGDState::load_state_dict(const c10::impl::GenericDict& d) {
   iter_ = iter.toInt();
   start_localSGD_iter_ = start.toInt();
   post_local_gradient_allreduce_ = allreduce.toBool();
+  ++epoch_;
 }
 
 PostLocalSGDHook::PostLocalSGDHook(std::shared_ptr<PostLocalSGDState> state)
@@ -115,6 +130,12 @@ c10::intrusive_ptr<c10::ivalue::Future> PostLocalSGDHook::runHook(c10d::GradBuck
   const at::Tensor& buffer = bucket.getBuffer();
   detail::check_bucket(buffer, name(), /*sparse_ok=*/true);
   PostLocalSGDState& st = *state_;
+  detail::agree_once(agreed_epoch_, st.process_group(), buffer.device(), st.epoch(), [&] {
+    return detail::Fingerprint(name())
+        .add("start_localSGD_iter", st.start_localSGD_iter())
+        .add("post_local_gradient_allreduce", st.post_local_gradient_allreduce())
+        .add("iter", st.iter());
+  });
   // Global averaging for the first start_localSGD_iter iterations.
   if (st.iter() < st.start_localSGD_iter()) {
     st.maybe_increase_iter(bucket.isLast());

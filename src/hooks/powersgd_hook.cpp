@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "comm/exchange.h"
+#include "hooks/agreement.h"
 #include "hooks/hook_utils.h"
 #include "hooks/powersgd_memory.h"
 #include "ops/cast.h"
@@ -579,6 +580,20 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& 
   std::vector<int64_t> keys;
   try {
     detail::check_bucket(input, name(), /*sparse_ok=*/true);
+    detail::agree_once(agreed_epoch_, st.process_group(), input.device(), st.epoch(), [&] {
+      const PowerSGDOptions& o = st.options();
+      return detail::Fingerprint(name())
+          .add("matrix_approximation_rank", o.matrix_approximation_rank)
+          .add("start_powerSGD_iter", o.start_powerSGD_iter)
+          .add("min_compression_rate", o.min_compression_rate)
+          .add("use_error_feedback", o.use_error_feedback)
+          .add("warm_start", o.warm_start)
+          .add("orthogonalization_epsilon", o.orthogonalization_epsilon)
+          .add("random_seed", o.random_seed)
+          .add("batch_tensors_with_same_shape", o.batch_tensors_with_same_shape)
+          // The warm-up's end and the Q seeds' draws follow the iteration.
+          .add("iter", st.iter());
+    });
     keys = st.keys_for(bucket, name());
   } catch (...) {
     round_two.flush();

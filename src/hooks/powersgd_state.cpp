@@ -90,11 +90,18 @@ void PowerSGDState::set_options(const PowerSGDOptions& options) {
   options_ = options;
   options_.compression_stats_logging_frequency =
       std::max<int64_t>(1, options_.compression_stats_logging_frequency);
+  ++epoch_;
 }
 
 void PowerSGDState::set_process_group(ProcessGroupPtr pg) {
   TORCH_CHECK_TYPE(pg, "PowerSGDState: process_group must be a ProcessGroup");
   pg_ = std::move(pg);
+  ++epoch_;
+}
+
+void PowerSGDState::set_iter(int64_t iter) {
+  iter_ = iter;
+  ++epoch_;
 }
 
 std::tuple<double, int64_t, int64_t> PowerSGDState::compression_stats() const {

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "comm/exchange.h"
+#include "hooks/agreement.h"
 #include "hooks/hook_utils.h"
 #include "ops/quantize.h"
 
@@ -24,6 +25,8 @@ std::string QuantizationHook::name() const {
 c10::intrusive_ptr<c10::ivalue::Future> QuantizationHook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBuffer();
   detail::check_bucket(buffer, name());
+  detail::agree_once(agreed_epoch_, pg_, buffer.device(), 0,
+                     [&] { return detail::Fingerprint(name()).add("bucket_size", bucket_size_); });
   const int64_t n = buffer.numel();
   // torch pads bucket_size - n % bucket_size zeros: n / bucket_size + 1 channels, always.
   const int64_t channel = bucket_size_ == 0 ? std::max<int64_t>(n, 1) : bucket_size_;

@@ -39,15 +39,22 @@
 //   2 bits, fitted:        ternary: |v - d| <= max(scale / 2, |v| - scale), mean |v| <= scale
 //                          <= max|v|; midrise (scale -h): |v - d| <= max(h, |v| - 3h)
 //   1 bit: d = +-scale with v's sign; stochastic: E[d] = v.
-// Error feedback: the residual written back is v - d in fp32. For bits >= 2 that subtraction is
-// exact (d has v's sign and lies within a factor 2 of v, or is 0: Sterbenz), so d + residual == v
-// bit for bit; for 1 bit, for a fitted 2-bit value clipped from above 2 scale, and for a midrise
-// block, it is the rounded difference.
+// Error feedback: the residual written back is v - d in fp32. For bits >= 2 with nearest
+// rounding that subtraction is exact (d has v's sign and lies within a factor 2 of v, or is 0:
+// Sterbenz), so d + residual == v bit for bit. Stochastic rounding keeps that only for |v| >= scale
+// (d is then within a factor 2 of v); a smaller value may round up to +-scale, more than twice
+// it, and its residual is the rounded difference (|error| <= ulp(scale) / 2). So is the residual
+// for 1 bit, for a fitted 2-bit value clipped from above 2 scale, and for a midrise block.
 //
 // Rotated blocks (QuantSpec::rotate): the bounds above hold for the rotated values y; the
 // decoded block is the inverse rotation of y's decoded values, so its squared error is y's (up to
 // the butterflies' rounding) and the residual is v minus that, rounded. A finite block whose
 // rotated values overflow (max|v| beyond 2^128 / 2^floor(k/2)) is sent as a non-finite one.
+//
+// Idle blocks: with a residual, a block whose own values (x, before the residual is added) are
+// all zero sends scale 0 and the zero code, and keeps its residual as it is for a later step. DDP
+// hands a hook zeros for a parameter no rank used in a step (find_unused_parameters) and then
+// discards what the hook returns for it, so anything sent for it would be lost.
 //
 // Non-finite blocks: a block holding a NaN or an infinity gets scale NaN and codes 0, so it
 // dequantizes to NaN on every rank that receives it (never to a finite value), and its residual
@@ -110,7 +117,9 @@ struct QuantSpec {
   // is. With stochastic rounding, the rounding draws use the same (seed, stream).
   bool rotate = false;
   // 1 bit, rotated, nearest rounding: the unbiased scale sum y^2 / sum |y| instead of mean |y|
-  // (unbiased_sign_scale): more squared error per step, none of it a bias.
+  // (unbiased_sign_scale): more squared error per step, none of it a bias. A block that is not
+  // rotated (short, or of a spec that does not rotate) takes the stochastic sign code instead,
+  // unbiased too: every value's error has mean zero whatever block it is in.
   bool unbiased_sign = false;
 };
 
@@ -147,9 +156,11 @@ struct ExactTerm {
   int64_t row = 0;
 };
 
-// For the message blocks [first, last) of `refs`: dst[i] = post_scale * (sum over the messages,
-// in order, of their dequantized value i, with the exact term's value i at its row), summed in
-// fp32. Message r starts at messages + r * message_bytes; every message holds the same blocks
+// For the message blocks [first, last) of `refs`: dst[i] = the sum over the messages, in order,
+// of post_scale * their dequantized value i (with post_scale * the exact term's value i at its
+// row), in fp32. Each term is scaled before it is added (a mean of values near the largest float
+// does not overflow, as allreduce_hook's divide-then-sum does not). Message r starts at messages +
+// r * message_bytes; every message holds the same blocks
 // (`blocks` of them). dst is fp32, indexed like the refs.
 void dequantize_sum_blocks_cpu(const uint8_t* messages, int64_t count, int64_t message_bytes,
                                int64_t blocks, const BlockRef* refs, int64_t first, int64_t last,

@@ -27,8 +27,9 @@
 #define DDPX_QEF_CLONES
 #endif
 
-// The nearest-level encode in vector extensions needs __builtin_shufflevector (GCC 12, clang);
-// an older compiler encodes every block with the plain loop, to the same bits.
+// The nearest-level encode and the rotation's first Hadamard stages in vector extensions need
+// __builtin_shufflevector (GCC 12, clang); an older compiler (GCC 9-11) runs the plain loops, to
+// the same bits.
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector) && __has_builtin(__builtin_convertvector)
 #define DDPX_QEF_VECTOR_ENCODE 1
@@ -216,7 +217,7 @@ inline void scale_signs(const float* src, float* dst, int64_t len, uint64_t seed
   }
 }
 
-#if defined(__GNUC__)
+#if DDPX_QEF_VECTOR_ENCODE
 // (a, b) -> (a + b, a - b), lane by lane.
 inline void butterfly(v8f& a, v8f& b) {
   const v8f t = a;
@@ -263,7 +264,7 @@ inline void hadamard64(float* y) {
 // by the loop order). Stages 1 to 32 go in registers, 64 values at a time; the later ones pass
 // over the block once each.
 inline void hadamard(float* y, int64_t len) {
-#if defined(__GNUC__)
+#if DDPX_QEF_VECTOR_ENCODE
   if (len >= 8) {
     int64_t h = 64;
     if (len >= 64) {
@@ -410,14 +411,27 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
     float absmax = 0.0f, abssum = 0.0f;
     int nonfinite = 0;
     if (rb) {
-#pragma omp simd reduction(max : absmax) reduction(+ : abssum) reduction(| : nonfinite)
+      int xnonzero = 0;
+#pragma omp simd reduction(max : absmax) reduction(+ : abssum) reduction(| : nonfinite, xnonzero)
       for (int64_t i = 0; i < len; ++i) {
-        const float value = detail::q_add(L::load(xb[i]), rb[i]);
+        const float xi = L::load(xb[i]);
+        const float value = detail::q_add(xi, rb[i]);
         vb[i] = value;
         const float a = fabsf(value);
         absmax = a > absmax ? a : absmax;
         abssum += a;
         nonfinite |= !(a <= 3.4028234663852886e+38f);  // NaN or infinity
+        xnonzero |= xi != 0.0f;
+      }
+      if (!xnonzero) {
+        // An idle block (every value of x zero: a parameter DDP found unused) sends zeros and
+        // keeps its residual for a later step (quantize_ef.h).
+        scales[b] = 0.0f;
+        uint8_t* cv = code.data();
+        std::fill(cv, cv + len, static_cast<uint8_t>(kZero));
+        std::fill(cv + len, cv + block, uint8_t(0));
+        pack_codes<BITS>(cv, block_bytes, codes + b * block_bytes);
+        continue;
       }
     } else {
 #pragma omp simd reduction(max : absmax) reduction(+ : abssum) reduction(| : nonfinite)
@@ -455,7 +469,9 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
       continue;
     }
     float* erb = rotated ? nullptr : rb;  // the residual written by the encode loops
-    float scale = detail::block_scale(BITS, spec.stochastic, absmax, abssum, len);
+    const bool stochastic =
+        detail::rounds_stochastically(spec.stochastic, spec.unbiased_sign, BITS, rotated);
+    float scale = detail::block_scale(BITS, stochastic, absmax, abssum, len);
     if (detail::ternary_fit(BITS, spec.stochastic, spec.fitted_ternary)) {
       scale = fitted_2bit_scale(eb, len, abssum, absmax);
     } else if (BITS == 1 && rotated && spec.unbiased_sign && !spec.stochastic) {
@@ -481,7 +497,7 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
         cv[i] = static_cast<uint8_t>(c);
         if (erb) erb[i] = detail::q_add(eb[i], -detail::decode(c, scale, 2));
       }
-    } else if (spec.stochastic) {
+    } else if (stochastic) {
       const uint64_t base = refs[b].draw;
       for (int64_t i = 0; i < len; ++i) {
         const float u = detail::uniform01(spec.seed, spec.stream, base + static_cast<uint64_t>(i));
@@ -643,9 +659,10 @@ void dequantize_blocks(const uint8_t* message, int64_t blocks, const BlockRef* r
 }
 
 // dequantize_sum_blocks_cpu for one width, the exact term's values loaded by L. Block by block:
-// each term of a block is added into an accumulator (in L1) in term order, then the block is
-// scaled and stored once. (Term by term over the whole range, dst was read and written once per
-// term and once more for the scaling: 7 passes over it for two messages.)
+// each term of a block is scaled and added into an accumulator (in L1) in term order, then the
+// block is stored once. (Term by term over the whole range, dst was read and written once per
+// term: 7 passes over it for two messages.) Each term is scaled before it is added, as
+// allreduce_hook divides before it sums: terms near the largest float do not overflow the sum.
 template <int BITS, typename L>
 void sum_blocks(const uint8_t* messages, int64_t count, int64_t message_bytes, int64_t blocks,
                 const BlockRef* refs, int64_t first, int64_t last, int64_t block, float post_scale,
@@ -665,7 +682,9 @@ void sum_blocks(const uint8_t* messages, int64_t count, int64_t message_bytes, i
       if (has_exact && term == exact.row) {
         const typename L::T* sx = ex + exact.refs[b].begin;
 #pragma omp simd
-        for (int64_t i = 0; i < len; ++i) a[i] = detail::q_add(a[i], L::load(sx[i]));
+        for (int64_t i = 0; i < len; ++i) {
+          a[i] = detail::q_add(a[i], detail::q_mul(L::load(sx[i]), post_scale));
+        }
         continue;
       }
       const int64_t r = has_exact && term > exact.row ? term - 1 : term;
@@ -676,11 +695,10 @@ void sum_blocks(const uint8_t* messages, int64_t count, int64_t message_bytes, i
         rotate_back(d.data(), len, unrotate.seed, unrotate.stream_of(term), refs[b].draw);
       }
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) a[i] = detail::q_add(a[i], db[i]);
+      for (int64_t i = 0; i < len; ++i)
+        a[i] = detail::q_add(a[i], detail::q_mul(db[i], post_scale));
     }
-    float* o = dst + refs[b].begin;
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) o[i] = detail::q_mul(a[i], post_scale);
+    std::memcpy(dst + refs[b].begin, a, static_cast<size_t>(len) * sizeof(float));
   }
 }
 

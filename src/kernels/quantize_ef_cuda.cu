@@ -118,23 +118,32 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
   // The value the codes are taken of: rotated or as it is.
   const auto val = [&](int64_t i) { return rot ? y[i] : value_at(x, residual, begin + i); };
   float absmax = 0.0f, abssum = 0.0f;
-  int nonfinite = 0;
+  // Bit 0: a NaN or infinity; bit 1: a nonzero value of x itself (an idle block has none).
+  int flags = 0;
   for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
     const float a = fabsf(val(i));
     absmax = a > absmax ? a : absmax;
     abssum = __fadd_rn(abssum, a);
-    nonfinite |= !(a <= 3.4028234663852886e+38f);
+    flags |= !(a <= 3.4028234663852886e+38f) ? 1 : 0;
+    flags |= Elem<T>::load(x[begin + i]) != 0.0f ? 2 : 0;
   }
   __shared__ float smax[kThreads], ssum[kThreads];
   __shared__ int sbad[kThreads], souter[kThreads];
   smax[threadIdx.x] = absmax;
   ssum[threadIdx.x] = abssum;
-  sbad[threadIdx.x] = nonfinite;
+  sbad[threadIdx.x] = flags;
   __syncthreads();
   reduce_slots(ssum, smax, sbad, /*or_ints=*/true);
-  const bool bad = sbad[0] != 0;
-  float scale = bad ? NAN : detail::block_scale(bits, spec.stochastic, smax[0], ssum[0], len);
-  if (!bad && detail::ternary_fit(bits, spec.stochastic, spec.fitted_ternary)) {
+  const bool bad = (sbad[0] & 1) != 0;
+  // With error feedback, a block whose values are all zero (a parameter DDP found unused) sends
+  // zeros and keeps its residual (quantize_ef.h): the same for every thread of the block.
+  const bool idle = residual != nullptr && !bad && (sbad[0] & 2) == 0;
+  const bool stochastic =
+      detail::rounds_stochastically(spec.stochastic, spec.unbiased_sign, bits, rot);
+  float scale = bad    ? NAN
+                : idle ? 0.0f
+                       : detail::block_scale(bits, stochastic, smax[0], ssum[0], len);
+  if (!bad && !idle && detail::ternary_fit(bits, spec.stochastic, spec.fitted_ternary)) {
     // The fitted 2-bit scale (quantize_ef.h): a second reduction, of the magnitudes above the
     // mean. `bad` and the branch are the same for every thread of the block, so the barriers are
     // reached by all.
@@ -180,7 +189,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
     reduce_slots(smax, nullptr, souter, /*or_ints=*/false);
     const float h = detail::midrise_step(t, ssum[0], sbad[0], smax[0], len + 8 * souter[0]);
     scale = h > 0.0f ? -h : t;
-  } else if (!bad && rot && bits == 1 && spec.unbiased_sign && !spec.stochastic) {
+  } else if (!bad && !idle && rot && bits == 1 && spec.unbiased_sign && !spec.stochastic) {
     // The unbiased sign scale (quantize_ef_inl.h): sums of |y| / max|y| and its square.
     const float absmax = smax[0];
     const float inv_m = detail::inverse_scale(absmax);
@@ -212,11 +221,15 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
         if (residual) residual[begin + i] = 0.0f;
         continue;
       }
+      if (idle) {
+        byte |= detail::zero_code(bits) << (k * bits);
+        continue;
+      }
       const float v = val(i);
-      const float u = spec.stochastic ? detail::uniform01(spec.seed, spec.stream,
-                                                          draw + static_cast<uint64_t>(i))
-                                      : 0.0f;
-      const uint32_t code = detail::encode(v, scale, inv, bits, spec.stochastic, u);
+      const float u =
+          stochastic ? detail::uniform01(spec.seed, spec.stream, draw + static_cast<uint64_t>(i))
+                     : 0.0f;
+      const uint32_t code = detail::encode(v, scale, inv, bits, stochastic, u);
       const float d = detail::decode(code, scale, bits);
       if (rot) {
         y[i] = d;  // rotated back below (only this thread reads and writes y[i] here)
@@ -227,7 +240,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
     }
     cb[j] = static_cast<uint8_t>(byte);
   }
-  if (rot && !bad && residual) {
+  if (rot && !bad && !idle && residual) {
     // The residual of a rotated block: v minus what the receiver decodes.
     __syncthreads();
     hadamard_shared(y, len);
@@ -240,7 +253,7 @@ __global__ void quantize_ef_kernel(const T* x, float* residual, const BlockRef* 
 }
 
 // Block m of a message of `blocks` blocks: dst gets its dequantized values (or, with `count`
-// messages `message_bytes` apart, post_scale times their sum in message order).
+// messages `message_bytes` apart, the sum of post_scale times each, in message order).
 // E: the exact term's element type (ExactTerm; float with a null x when there is none).
 template <typename E>
 __global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, int64_t message_bytes,
@@ -261,7 +274,8 @@ __global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, in
     for (int64_t t = 0; t < terms; ++t) {
       if (exact && t == exact_row) {
         for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
-          dst[begin + i] = __fadd_rn(dst[begin + i], Elem<E>::load(exact[exact_refs[m].begin + i]));
+          dst[begin + i] = __fadd_rn(
+              dst[begin + i], __fmul_rn(Elem<E>::load(exact[exact_refs[m].begin + i]), post_scale));
         }
         continue;
       }
@@ -276,13 +290,11 @@ __global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, in
       hadamard_shared(y, len);
       const uint64_t stream = unrotate.stream_of(t);
       for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
-        dst[begin + i] =
-            __fadd_rn(dst[begin + i], unrotated(y, i, unrotate.seed, stream, refs[m].draw, f));
+        dst[begin + i] = __fadd_rn(
+            dst[begin + i],
+            __fmul_rn(unrotated(y, i, unrotate.seed, stream, refs[m].draw, f), post_scale));
       }
       __syncthreads();  // y is read before the next term overwrites it
-    }
-    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
-      dst[begin + i] = __fmul_rn(dst[begin + i], post_scale);
     }
     return;
   }
@@ -290,16 +302,17 @@ __global__ void dequantize_sum_kernel(const uint8_t* messages, int64_t count, in
     float acc = 0.0f;
     for (int64_t t = 0; t < terms; ++t) {
       if (exact && t == exact_row) {
-        acc = __fadd_rn(acc, Elem<E>::load(exact[exact_refs[m].begin + i]));
+        acc = __fadd_rn(acc, __fmul_rn(Elem<E>::load(exact[exact_refs[m].begin + i]), post_scale));
         continue;
       }
       const int64_t r = exact && t > exact_row ? t - 1 : t;
       const uint8_t* message = messages + r * message_bytes;
       const float scale = reinterpret_cast<const float*>(message)[m];
       const uint8_t* cb = message + 4 * blocks + m * block_bytes;
-      acc = __fadd_rn(acc, detail::decode(detail::unpack_code(cb, i, bits), scale, bits));
+      acc = __fadd_rn(acc, __fmul_rn(detail::decode(detail::unpack_code(cb, i, bits), scale, bits),
+                                     post_scale));
     }
-    dst[begin + i] = __fmul_rn(acc, post_scale);
+    dst[begin + i] = acc;
   }
 }
 

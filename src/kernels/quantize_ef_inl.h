@@ -39,6 +39,15 @@ DDPX_QUANT_INLINE float block_scale(int bits, bool stochastic, float absmax, flo
   return q_div(absmax, qmax_of(bits));
 }
 
+// Whether a finite block is rounded stochastically: with QuantSpec::stochastic, and at 1 bit
+// under QuantSpec::unbiased_sign for a block that is not rotated (a parameter's short last
+// block): the rotated blocks' unbiased scale needs a rotation, and the stochastic sign code
+// (scale max|v|, code 1 with probability (1 + v / scale) / 2) is the unbiased one without it.
+DDPX_QUANT_INLINE bool rounds_stochastically(bool stochastic, bool unbiased_sign, int bits,
+                                             bool rotated) {
+  return stochastic || (bits == 1 && unbiased_sign && !rotated);
+}
+
 // Whether a block's scale is the fitted ternary one (QuantSpec::fitted_ternary).
 DDPX_QUANT_INLINE bool ternary_fit(int bits, bool stochastic, bool fitted) {
   return fitted && bits == 2 && !stochastic;

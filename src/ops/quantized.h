@@ -31,6 +31,9 @@ class BlockTable {
   void to(const c10::Device& device);
   // The table where the kernels of `device` read it.
   const kernels::BlockRef* data(const c10::Device& device) const;
+  // The device copy (undefined before to() with a CUDA device): for recording the streams that
+  // read it.
+  const at::Tensor& device_refs() const { return device_refs_; }
 
  private:
   std::vector<kernels::BlockRef> refs_;
@@ -57,9 +60,10 @@ struct ExactValues {
   int64_t row = 0;
 };
 
-// dst (fp32, indexed by the table) = post_scale * the sum over the rows of `messages` ([rows,
-// bytes] uint8, each row a message of the table's blocks), in row order, in fp32; with `exact`
-// (x defined), its values are one more term of the sum, at its row (rows may then be 0).
+// dst (fp32, indexed by the table) = the sum over the rows of `messages` ([rows, bytes] uint8,
+// each row a message of the table's blocks) of post_scale times each row's values, in row order,
+// in fp32 (each term scaled before it is added: no overflow where the mean is finite); with
+// `exact` (x defined), its values are one more term of the sum, at its row (rows may then be 0).
 // `unrotate`: how rotated messages (kernels::QuantSpec::rotate) are rotated back, by term.
 void dequantize_sum_into(const at::Tensor& messages, const BlockTable& table, int bits,
                          int64_t block, float post_scale, const at::Tensor& dst,

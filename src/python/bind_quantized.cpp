@@ -63,7 +63,13 @@ void bind_quantized(py::module& m) {
            "Per-parameter rank-level residuals (copies), keyed by order of first appearance.")
       .def("server_residuals", &QuantizedState::server_residuals,
            "Per-parameter owner-level residuals (copies; zero outside the owned values).")
-      .def("clear_memories", &QuantizedState::clear_memories, "Forgets every residual.");
+      .def("clear_memories", &QuantizedState::clear_memories, "Forgets every residual.")
+      .def("compression_stats", &QuantizedState::compression_stats,
+           "(bytes before / bytes after, bytes before, bytes after) of the buckets compressed "
+           "so far.")
+      .def_property_readonly("epoch", &QuantizedState::epoch,
+                             "Changes every rank must make alike (the hook checks agreement "
+                             "again after one).");
   def_state_dict(state, /*bind_load=*/false);
   state.def(
       "load_state_dict",

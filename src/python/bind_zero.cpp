@@ -2,6 +2,7 @@
 // parameter exchange, the fused SGD/Adam steps over ZeroSGDGroup / ZeroAdamGroup, the state
 // gather). ddpx/optim/zero_redundancy_optimizer.py's ZeroRedundancyOptimizer is the Python class
 // over it.
+#include <ddpx/hooks/zero_reduce_scatter_hook.h>
 #include <ddpx/optim/zero.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -254,6 +255,66 @@ void bind_zero(py::module& m) {
           py::arg("to"), py::arg("tensors"), py::arg("device"),
           "Gathers every rank's tensors to group rank `to` in bulk (one buffer per sending "
           "rank). On `to`: a list per rank; elsewhere [].");
+
+  // ZeRO-2's gradient sharding hook (ddpx.hooks.reduce_scatter_hook wraps it).
+  using hooks::ReduceScatterOptions;
+  using hooks::ReduceScatterState;
+  auto make_options = [](int64_t bits, int64_t block_size, bool use_error_feedback) {
+    ReduceScatterOptions o;
+    o.bits = bits;
+    o.block_size = block_size;
+    o.use_error_feedback = use_error_feedback;
+    o.validate();
+    return o;
+  };
+  py::class_<ReduceScatterState, std::shared_ptr<ReduceScatterState>>(
+      m, "ReduceScatterState",
+      "Native state of reduce_scatter_hook: ZeRO's partition, the options, the residuals.")
+      .def(py::init([make_options](const ProcessGroupPtr& pg,
+                                   const std::shared_ptr<optim::ZeroLayout>& layout, int64_t bits,
+                                   int64_t block_size, bool use_error_feedback) {
+             return py_owned(new ReduceScatterState(
+                 pg, layout, make_options(bits, block_size, use_error_feedback)));
+           }),
+           py::arg("process_group"), py::arg("layout"), py::arg("bits"), py::arg("block_size"),
+           py::arg("use_error_feedback"))
+      .def_property_readonly("options",
+                             [](const ReduceScatterState& s) {
+                               const auto& o = s.options();
+                               return std::make_tuple(o.bits, o.block_size, o.use_error_feedback);
+                             })
+      .def(
+          "set_options",
+          [make_options](ReduceScatterState& s, int64_t bits, int64_t block_size,
+                         bool use_error_feedback) {
+            s.set_options(make_options(bits, block_size, use_error_feedback));
+          },
+          py::arg("bits"), py::arg("block_size"), py::arg("use_error_feedback"))
+      .def_property_readonly("sent_elements", &ReduceScatterState::sent_elements,
+                             "Elements this rank sent to other ranks so far.")
+      .def_property_readonly("sent_bytes", &ReduceScatterState::sent_bytes,
+                             "Bytes of those messages.")
+      .def("residuals", &ReduceScatterState::residuals,
+           "The error-feedback residuals per parameter index (copies).")
+      .def(
+          "state_dict",
+          [](const ReduceScatterState& s) {
+            return torch::jit::toPyObject(c10::IValue(s.state_dict()));
+          },
+          "The options and this rank's residuals, as a dict.")
+      .def(
+          "load_state_dict",
+          [](ReduceScatterState& s, const py::object& d, bool allow_reshard) {
+            s.load_state_dict(state_dict_arg(d), allow_reshard);
+          },
+          py::arg("state_dict"), py::arg("allow_reshard") = false,
+          "Restores state_dict()'s content (this rank's own residuals unless allow_reshard).");
+  m.def(
+      "reduce_scatter_hook",
+      [](const std::shared_ptr<ReduceScatterState>& st) -> hooks::CommHookPtr {
+        return py_owned<hooks::CommHook>(new hooks::ReduceScatterHook(st));
+      },
+      py::arg("state"), "Native reduce_scatter_hook over `state`.");
 }
 
 }  // namespace python

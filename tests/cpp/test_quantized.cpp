@@ -14,8 +14,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -261,13 +264,14 @@ TEST(QuantizeEdges, SumOfMessagesInOrder) {
     const at::Tensor x = random_input(50 + r, n);
     at::Tensor msg = message_for(x, bits, block);
     quantize(x, at::Tensor(), spec(bits, block), msg);
-    expected = expected + decode(msg, n, bits, block);
+    // Each term scaled before it is added (no overflow where the mean is finite).
+    expected = expected + decode(msg, n, bits, block) * (1.0f / 3.0f);
     messages.push_back(msg);
   }
   at::Tensor out = at::empty({n}, at::kFloat);
   ddpx::ops::dequantize_sum_into(at::stack(messages), table(n, block), bits, block, 1.0f / 3.0f,
                                  out);
-  EXPECT_TRUE(at::equal(out, expected * (1.0f / 3.0f)));
+  EXPECT_TRUE(at::equal(out, expected));
 }
 
 TEST(QuantizeEdges, ExactTermAtItsRow) {
@@ -295,11 +299,11 @@ TEST(QuantizeEdges, ExactTermAtItsRow) {
     std::vector<at::Tensor> terms = decoded;
     terms.insert(terms.begin() + row, own_values);
     at::Tensor expected = at::zeros({n}, at::kFloat);
-    for (const auto& t : terms) expected = expected + t;
+    for (const auto& t : terms) expected = expected + t * (1.0f / 3.0f);
     at::Tensor out = at::empty({n}, at::kFloat);
     ddpx::ops::dequantize_sum_into(stacked, table(n, block), bits, block, 1.0f / 3.0f, out,
                                    {own, &own_table, row});
-    EXPECT_TRUE(at::equal(out, expected * (1.0f / 3.0f))) << "row " << row;
+    EXPECT_TRUE(at::equal(out, expected)) << "row " << row;
   }
   // A float sum is not associative: the row matters (else this test could not tell).
   at::Tensor first = at::empty({n}, at::kFloat), last = at::empty({n}, at::kFloat);
@@ -593,9 +597,10 @@ TEST(Quantize, RotatedBlocksClosedForm) {
         const double e_y = (ys - y).pow(2).sum().item<double>();
         EXPECT_NEAR(e_x, e_y, 1e-4 * e_y + 1e-9);
       }
-      // The short last block: as a non-rotating spec sends it, bit for bit.
+      // The short last block: as a non-rotating spec sends it, bit for bit; under the unbiased
+      // sign scale that is the stochastic sign code (unbiased without a rotation).
       at::Tensor plain = message_for(x, bits, block);
-      auto ps = spec(bits, block, false, 7);
+      auto ps = spec(bits, block, /*stochastic=*/unbiased, 7);
       quantize(x, r0.clone(), ps, plain);
       const at::Tensor d_plain = decode(plain, n, bits, block);
       EXPECT_EQ(scales[5].item<float>(), scales_of(plain, n, block)[5].item<float>());
@@ -808,9 +813,9 @@ TEST(QuantizedHook, AllgatherSumsEveryRanksMessageInRankOrder) {
         const at::Tensor& g = grads[static_cast<size_t>(r)][static_cast<size_t>(s)];
         at::Tensor message = message_for(g, bits, block);
         quantize(g, residuals[static_cast<size_t>(r)], spec(bits, block), message);
-        sum = sum + decode(message, n, bits, block);
+        sum = sum + decode(message, n, bits, block) * (1.0f / static_cast<float>(world));
       }
-      expected.push_back(sum * (1.0f / static_cast<float>(world)));
+      expected.push_back(sum);
     }
     ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
       QuantizedOptions o = options(bits, block);
@@ -996,9 +1001,9 @@ TEST(QuantizedHook, TwoBitsWithoutErrorFeedbackUseTheFittedScale) {
       for (int64_t at = 0; at < n; at += block) {
         if (owner_of(at) == r) term.narrow(0, at, block).copy_(g.narrow(0, at, block));
       }
-      sum = sum + term;
+      sum = sum + term * (1.0f / static_cast<float>(world));
     }
-    const at::Tensor mean = sum * (1.0f / static_cast<float>(world));
+    const at::Tensor mean = sum;
     at::Tensor second = message_for(mean, 2, block);
     quantize(mean, at::Tensor(), s, second);
     return decode(second, n, 2, block);
@@ -1063,9 +1068,9 @@ TEST(QuantizedHook, RotatedStepsAreTheKernelsComposition) {
               if (owner_of(at) == r) term.narrow(0, at, block).copy_(g.narrow(0, at, block));
             }
           }
-          sum = sum + term;
+          sum = sum + term * (1.0f / static_cast<float>(world));
         }
-        const at::Tensor mean = sum * (1.0f / static_cast<float>(world));
+        const at::Tensor mean = sum;
         if (world == 2) return mean;  // one round
         return decoded(mean, quantized_spec((iter * P + 1) * P, rotate));
       };
@@ -1139,6 +1144,282 @@ TEST(QuantizedHook, SixteenBitBucketsAndRefusals) {
   EXPECT_THAT(ddpx_test::value_error([&] { st.load_state_dict(d); }),
               HasSubstr("saved by rank 5 of 1"));
   st.load_state_dict(d, /*allow_reshard=*/true);
+}
+
+// ---- the edge cases: each once a silent wrong result, a lost residual or a hang -----------------
+
+// Runs `hook` on rank `rank`'s bucket and returns the c10::ValueError's message (and how long the
+// call took) when it throws one, "" otherwise.
+std::string agreement_error(const ddpx::hooks::CommHookPtr& hook, const at::Tensor& g,
+                            double* seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    run_step(hook, g.clone(), params_of(g.numel()));
+  } catch (const c10::ValueError& e) {
+    message = e.what_without_backtrace();
+  }
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return message;
+}
+
+TEST(QuantizedHook, RanksThatDisagreeFailFastNamingTheOption) {
+  // Ranks built with other options, or one step apart (per-rank checkpoints of two steps, a
+  // set_iter on one rank: without error feedback the rotation's signs are keyed by the
+  // iteration, and the ranks would decode each other's blocks with the wrong ones): every rank
+  // raises the same ValueError, naming the option and both values, before any bucket moves.
+  const int64_t n = 256;
+  struct Case {
+    const char* what;
+    std::function<void(int, QuantizedOptions&)> options;
+    std::function<void(int, QuantizedState&)> state;
+    const char* text;
+  };
+  const std::vector<Case> cases = {
+      {"bits", [](int r, QuantizedOptions& o) { o.bits = r == 0 ? 8 : 4; },
+       [](int, QuantizedState&) {}, "bits is 8 on rank 0 and 4 on rank 1"},
+      {"iter", [](int, QuantizedOptions& o) { o.use_error_feedback = false; },
+       [](int r, QuantizedState& st) { st.set_iter(r == 1 ? 7 : 6); },
+       "iter is 6 on rank 0 and 7 on rank 1"},
+      {"exchange",
+       [](int r, QuantizedOptions& o) {
+         o.exchange = r == 0 ? ExchangeMode::kAuto : ExchangeMode::kReduceScatter;
+       },
+       [](int, QuantizedState&) {}, "exchange is 'auto' on rank 0 and 'reduce_scatter' on rank 1"},
+  };
+  for (const Case& c : cases) {
+    ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+      QuantizedOptions o = options(8, 64);
+      c.options(rank, o);
+      auto state = std::make_shared<QuantizedState>(pg, o);
+      c.state(rank, *state);
+      double seconds = 0;
+      const std::string message =
+          agreement_error(ddpx::hooks::quantized_hook(state), grad(rank, n, 0), &seconds);
+      EXPECT_THAT(message, HasSubstr(c.text)) << c.what << ", rank " << rank;
+      EXPECT_THAT(message, HasSubstr("quantized_hook")) << c.what;
+      EXPECT_LT(seconds, 5.0) << c.what;
+      // The ranks stay in step: the next agreement (equal options) passes on both.
+      state->set_options(options(8, 64));
+      state->set_iter(0);
+      run_step(ddpx::hooks::quantized_hook(state), grad(rank, n, 0), params_of(n));
+    });
+  }
+}
+
+TEST(QuantizedHook, MeanOfHugeGradientsStaysFinite) {
+  // Gradients near the largest float on 3 ranks: their sum overflows fp32, their mean does not.
+  // Each term is scaled by 1/W before it is added, as allreduce_hook divides before it sums.
+  const int64_t n = 512;
+  for (const ExchangeMode mode : {ExchangeMode::kAllgather, ExchangeMode::kReduceScatter}) {
+    ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+      QuantizedOptions o = options(8, 64);
+      o.exchange = mode;
+      auto hook = ddpx::hooks::quantized_hook(std::make_shared<QuantizedState>(pg, o));
+      const at::Tensor g = at::full({n}, 1.5e38f) * (1.0f - 0.1f * static_cast<float>(rank));
+      const at::Tensor out = run_step(hook, g.clone(), params_of(n));
+      EXPECT_TRUE(at::isfinite(out).all().item<bool>()) << "rank " << rank;
+      // The mean, 1.35e38, within the two levels' half steps (8 bits: 1/127 of max|v| each).
+      EXPECT_LE((out.to(at::kDouble) - 1.35e38).abs().max().item<double>(), 1.35e38 * 0.02);
+    });
+  }
+}
+
+TEST(Quantize, OneBitUnbiasedOnShortBlocksToo) {
+  // 1 bit without error feedback (the rotated spec's unbiased sign scale): a block too short to
+  // rotate (a bias, a small head, a parameter's tail) takes the stochastic sign code, also
+  // unbiased. [10, 1, ..., 1] averaged over 2000 draws: each value comes back as itself (the
+  // deterministic mean|v| sign code gave 1.9 for every 1).
+  const int64_t block = 64, n = 24;
+  at::Tensor x = at::ones({n}, at::kFloat);
+  x[0] = 10.0f;
+  at::Tensor sum = at::zeros({n}, at::kDouble);
+  const int draws = 2000;
+  for (int t = 0; t < draws; ++t) {
+    const auto s = rotating(1, block, static_cast<uint64_t>(t), /*unbiased=*/true);
+    at::Tensor msg = message_for(x, 1, block);
+    quantize(x, at::Tensor(), s, msg);
+    sum += decode(msg, n, 1, block).to(at::kDouble);
+  }
+  const at::Tensor mean = sum / draws;
+  EXPECT_NEAR(mean[0].item<double>(), 10.0, 1e-9);  // at the scale: always +10
+  // The ones: variance 10^2 - 1 per draw; the mean of 23 values over 2000 draws has sd 0.046.
+  EXPECT_NEAR(mean.narrow(0, 1, n - 1).mean().item<double>(), 1.0, 0.2);
+  EXPECT_LE((mean.narrow(0, 1, n - 1) - 1.0).abs().max().item<double>(),
+            5 * std::sqrt(99.0 / draws));
+}
+
+TEST(QuantizedHook, UnusedParameterKeepsItsResiduals) {
+  // DDP hands the hook zeros for a parameter that no rank used in a step (find_unused_parameters)
+  // and discards what the hook returns for it: its residuals must stay for a later step, not be
+  // quantized into a result that is thrown away. Parameter 1 (the bucket's second half) is
+  // unused at step 1 on every rank, used at steps 0 and 2.
+  const int64_t n = 256, half = n / 2;
+  for (const ExchangeMode mode : {ExchangeMode::kAllgather, ExchangeMode::kReduceScatter}) {
+    ddpx_test::run_ranks(3, [&](int rank, const ProcessGroupPtr& pg) {
+      QuantizedOptions o = options(4, 64);
+      o.exchange = mode;
+      auto state = std::make_shared<QuantizedState>(pg, o);
+      auto hook = ddpx::hooks::quantized_hook(state);
+      const auto params = params_of(n);
+      run_step(hook, grad(rank, n, 0), params);
+      const auto w0 = state->worker_residuals(), s0 = state->server_residuals();
+      ASSERT_GT(w0.at(1).abs().max().item<float>(), 0.0f);
+      at::Tensor g = grad(rank, n, 1);
+      g.narrow(0, half, n - half).zero_();
+      const at::Tensor out = run_step(hook, g, params);
+      EXPECT_TRUE(at::equal(out.narrow(0, half, n - half).abs(), at::zeros({n - half})));
+      EXPECT_TRUE(at::equal(state->worker_residuals().at(1), w0.at(1))) << "rank " << rank;
+      if (s0.count(1)) {
+        EXPECT_TRUE(at::equal(state->server_residuals().at(1), s0.at(1))) << "rank " << rank;
+      }
+      // Used again: the residual goes out with the gradient and is replaced.
+      run_step(hook, grad(rank, n, 2), params);
+      EXPECT_FALSE(at::equal(state->worker_residuals().at(1), w0.at(1)));
+    });
+  }
+}
+
+// The error the residuals still owe the mean, per value: the rank-level residuals summed over
+// the ranks and divided by W (each rank's message is divided by W), plus the owner-level ones.
+at::Tensor owed(const std::vector<std::map<int64_t, at::Tensor>>& workers,
+                const std::vector<std::map<int64_t, at::Tensor>>& servers, int64_t world) {
+  std::vector<at::Tensor> per_param;
+  for (int64_t k = 0; k < 2; ++k) {
+    at::Tensor sum = at::zeros_like(workers[0].at(k), at::kDouble);
+    for (int64_t r = 0; r < world; ++r) {
+      sum += workers[r].at(k).to(at::kDouble) / static_cast<double>(world);
+      if (servers[r].count(k)) sum += servers[r].at(k).to(at::kDouble);
+    }
+    per_param.push_back(sum);
+  }
+  return at::cat(per_param);
+}
+
+TEST(QuantizedHook, ExchangeSwitchKeepsEveryResidual) {
+  // All-gather -> reduce-scatter: a rank's own blocks cross no wire by reduce-scatter, so their
+  // rank-level residuals move to the owner level (divided by W); back again, the owner level's
+  // move to the rank level (times W). A step of zero gradients (which keeps every residual)
+  // shows the move alone: what the residuals owe the mean is unchanged, and nothing is left on
+  // the level the new exchange never sends from.
+  const int64_t n = 512, world = 3;
+  std::vector<std::map<int64_t, at::Tensor>> w(world), s(world);
+  auto snapshot = [&](int rank, const QuantizedState& st) {
+    w[rank] = st.worker_residuals();
+    s[rank] = st.server_residuals();
+  };
+  std::vector<at::Tensor> before(2), after(2);
+  std::vector<std::shared_ptr<QuantizedState>> states(world);
+  std::vector<std::vector<at::Tensor>> params(world);  // one model per rank, all along
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    QuantizedOptions o = options(2, 64);
+    o.exchange = ExchangeMode::kAllgather;
+    states[rank] = std::make_shared<QuantizedState>(pg, o);
+    auto hook = ddpx::hooks::quantized_hook(states[rank]);
+    params[rank] = params_of(n);
+    for (int step = 0; step < 2; ++step) run_step(hook, grad(rank, n, step), params[rank]);
+    snapshot(rank, *states[rank]);
+  });
+  before[0] = owed(w, s, world);
+  for (const ExchangeMode to : {ExchangeMode::kReduceScatter, ExchangeMode::kAllgather}) {
+    ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+      QuantizedOptions o = states[rank]->options();
+      o.exchange = to;
+      states[rank]->set_options(o);
+      run_step(ddpx::hooks::quantized_hook(states[rank]), at::zeros({n}), params[rank]);
+      snapshot(rank, *states[rank]);
+    });
+    const at::Tensor now = owed(w, s, world);
+    EXPECT_LE((now - before[0]).abs().max().item<double>(),
+              1e-6 * before[0].abs().max().item<double>());
+    for (int64_t r = 0; r < world; ++r) {
+      if (to == ExchangeMode::kAllgather) {
+        for (const auto& [k, t] : s[r]) EXPECT_EQ(t.abs().max().item<float>(), 0.0f);
+      } else {
+        // Rank r's own blocks: block b of parameter k is owned by (k + b) % W.
+        for (int64_t k = 0; k < 2; ++k) {
+          for (int64_t b = 0; b * 64 < n / 2; ++b) {
+            if ((k + b) % world != r) continue;
+            EXPECT_EQ(w[r].at(k).narrow(0, b * 64, 64).abs().max().item<float>(), 0.0f)
+                << "rank " << r << " parameter " << k << " block " << b;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizedHook, FailedSecondRoundFailsEveryRankPromptly) {
+  // Rank 1's round one fails after the data moved (its all-to-all reports an error): its
+  // deferred round two cannot be computed. It still issues round two, poisoned, so its peers
+  // are not left waiting for it until the group's timeout (30 s here); every rank's bucket
+  // future fails within seconds, the peers' naming rank 1.
+  const int64_t n = 512;
+  const auto pgs =
+      ddpx_test::make_gloo_world_failing_alltoall(3, 1, 0, "injected round-one failure");
+  ddpx_test::run_ranks(pgs, [&](int rank, const ProcessGroupPtr& pg) {
+    QuantizedOptions o = options(8, 64);
+    o.exchange = ExchangeMode::kReduceScatter;
+    auto hook = ddpx::hooks::quantized_hook(std::make_shared<QuantizedState>(pg, o));
+    at::Tensor buffer = grad(rank, n, 0);
+    auto bucket = ddpx_test::make_bucket(buffer, params_of(n));
+    const auto t0 = std::chrono::steady_clock::now();
+    auto fut = hook->runHook(bucket->get());  // the last bucket: round two is issued at once
+    fut->wait();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_TRUE(fut->hasError()) << "rank " << rank;
+    EXPECT_THAT(fut->tryRetrieveErrorMessage(),
+                HasSubstr(rank == 1 ? "injected round-one failure" : "rank 1 failed"))
+        << "rank " << rank;
+    EXPECT_LT(seconds, 10.0) << "rank " << rank;
+  });
+}
+
+TEST(QuantizedHook, OptionsAndGroupRefusedDuringBackward) {
+  // Between two buckets of one backward pass (bucket 0's round two still deferred), a new layout
+  // would re-cut the residuals under it and free buffers its queued kernels still read.
+  const int64_t n = 256;
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    QuantizedOptions o = options(8, 64);
+    o.exchange = ExchangeMode::kReduceScatter;
+    auto state = std::make_shared<QuantizedState>(pg, o);
+    auto hook = ddpx::hooks::quantized_hook(state);
+    at::Tensor b0 = grad(rank, n, 0), b1 = grad(rank, n, 1);
+    std::vector<at::Tensor> p0 = params_of(n), p1 = params_of(n);
+    auto bucket0 = ddpx_test::make_bucket(b0, p0, 0, 2);
+    auto f0 = hook->runHook(bucket0->get());
+    EXPECT_THAT(ddpx_test::error_message([&] { state->set_options(o); }),
+                HasSubstr("during backward"));
+    EXPECT_THAT(ddpx_test::error_message([&] { state->set_process_group(pg); }),
+                HasSubstr("during backward"));
+    EXPECT_THAT(ddpx_test::error_message([&] { state->set_iter(3); }),
+                HasSubstr("during backward"));
+    auto bucket1 = ddpx_test::make_bucket(b1, p1, 1, 2);
+    auto f1 = hook->runHook(bucket1->get());
+    f0->wait();
+    f1->wait();
+    EXPECT_FALSE(f0->hasError() || f1->hasError());
+    state->set_options(o);  // between steps: fine
+  });
+}
+
+TEST(QuantizedHook, CompressionStatsCountTheQuantizedBuckets) {
+  const int64_t n = 1000;
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    auto state = std::make_shared<QuantizedState>(pg, options(4, 64, /*start_iter=*/1));
+    auto hook = ddpx::hooks::quantized_hook(state);
+    const auto params = params_of(n);
+    run_step(hook, grad(rank, n, 0), params);  // warm-up: not counted
+    EXPECT_EQ(std::get<1>(state->compression_stats()), 0);
+    run_step(hook, grad(rank, n, 1), params);
+    run_step(hook, grad(rank, n, 2), params);
+    const auto [rate, before, after] = state->compression_stats();
+    EXPECT_EQ(before, 2 * n * 4);
+    // Two parameters of 500 values: 8 blocks each (the last of 52), 4 bits and a scale a block.
+    EXPECT_EQ(after, 2 * ddpx::ops::quantized_message_bytes(16, 4, 64));
+    EXPECT_DOUBLE_EQ(rate, static_cast<double>(before) / static_cast<double>(after));
+  });
 }
 
 }  // namespace

@@ -72,6 +72,12 @@ class FailedWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// A collective that completed (the failing group's all-gather).
+class DoneWork final : public c10d::Work {
+ public:
+  bool wait(std::chrono::milliseconds) override { return true; }
+};
+
 using FailingBase = ddpx::compat::Backend;
 
 class FailingCollectives final : public FailingBase {
@@ -88,6 +94,15 @@ class FailingCollectives final : public FailingBase {
                                                const c10d::AllToAllOptions&) override {
     return c10::make_intrusive<FailedWork>(message_);
   }
+  // The hooks' agreement on their options (src/hooks/agreement.h) all-gathers one record before
+  // the first collective: here every "rank" sent this one's, so the hooks agree and go on to the
+  // collectives that fail.
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    for (at::Tensor& out : outputs.at(0)) out.copy_(inputs.at(0));
+    return c10::make_intrusive<DoneWork>();
+  }
 
  private:
   std::string message_;
@@ -99,6 +114,94 @@ inline ProcessGroupPtr make_failing_group(int rank, int size, const std::string&
   return ddpx::compat::process_group_of(
       c10::static_intrusive_pointer_cast<ddpx::compat::Backend>(failing),
       c10::make_intrusive<c10d::HashStore>(), rank, size);
+}
+
+// A Gloo backend whose `fail_at`-th all-to-all (0-based) fails on this rank only after it has
+// completed on every rank: the peers' data arrived, this rank's future and wait() report
+// `message`. For tests of how a hook's later rounds handle one rank's failure.
+namespace detail {
+class FailAfterWork final : public c10d::Work {
+ public:
+  FailAfterWork(c10::intrusive_ptr<c10d::Work> inner, const std::string& message)
+      : inner_(std::move(inner)),
+        message_(message),
+        future_(inner_->getFuture()->then(
+            [message](c10::ivalue::Future& f) -> c10::IValue {
+              f.value();
+              throw std::runtime_error(message);
+            },
+            c10::ListType::ofTensors())) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    inner_->wait(timeout);
+    throw std::runtime_error(message_);
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::string message_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class FailOneAllToAll final : public ddpx::compat::Backend {
+ public:
+  FailOneAllToAll(c10::intrusive_ptr<ddpx::compat::Backend> inner, int rank, int size, int fail_at,
+                  std::string message)
+      : ddpx::compat::Backend(rank, size),
+        inner_(std::move(inner)),
+        fail_at_(fail_at),
+        message_(std::move(message)) {}
+  const std::string getBackendName() const override { return "gloo"; }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    return inner_->allgather(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    return inner_->allreduce(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in,
+                                               std::vector<int64_t>& out_splits,
+                                               std::vector<int64_t>& in_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    auto work = inner_->alltoall_base(out, in, out_splits, in_splits, opts);
+    if (calls_++ != fail_at_) return work;
+    return c10::make_intrusive<FailAfterWork>(std::move(work), message_);
+  }
+
+ private:
+  c10::intrusive_ptr<ddpx::compat::Backend> inner_;
+  int fail_at_;
+  std::string message_;
+  int calls_ = 0;
+};
+}  // namespace detail
+
+// `size` Gloo process groups over one fresh store, rank `fail_rank`'s wrapped so that its
+// `fail_at`-th all-to-all fails after completing (detail::FailOneAllToAll).
+inline std::vector<ProcessGroupPtr> make_gloo_world_failing_alltoall(int size, int fail_rank,
+                                                                     int fail_at,
+                                                                     const std::string& message) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<ProcessGroupPtr> pgs(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      ddpx::compat::disable_flight_recorder_for_thread_ranks();
+      auto options = c10d::ProcessGroupGloo::Options::create(kGlooTimeout);
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      options->threads = 1;
+      c10::intrusive_ptr<ddpx::compat::Backend> gloo =
+          c10::make_intrusive<c10d::ProcessGroupGloo>(store, r, size, options);
+      if (r == fail_rank) {
+        gloo = c10::make_intrusive<detail::FailOneAllToAll>(gloo, r, size, fail_at, message);
+      }
+      pgs[r] = ddpx::compat::process_group_of(gloo, store, r, size);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return pgs;
 }
 
 // `size` process groups, one per rank, over one fresh c10d::HashStore.

@@ -337,3 +337,88 @@ def test_comm_hook_type_members():
         for a, b in zip(r["member"], r["explicit"]):
             assert torch.equal(a, b)
         assert all(torch.isfinite(g).all() for g in r["default"])
+
+
+# ---- edge cases ----------------------------------------------------------------------------------
+
+class _Branchy(torch.nn.Module):
+    """A layer `b` that the forward pass uses on even steps only, on every rank: DDP with
+    find_unused_parameters hands the hook zeros for it on odd steps and discards the result."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x, use_b: bool):
+        h = torch.tanh(self.a(x))
+        if use_b:
+            h = h + torch.tanh(self.b(x))
+        return self.head(h)
+
+
+def rank_edges(rank: int, world_size: int, path: str):
+    out = {}
+    # A state pickled on rank 0 and unpickled on rank 1 is refused, as load_state_dict refuses
+    # another rank's residuals (they were silently handed over).
+    ddp = DDP(dc.make_model(), bucket_cap_mb=dc.BUCKET_BYTES / 2 ** 20)
+    state = ddpx.hooks.QuantizedState(bits=4, block_size=32, start_iter=1)
+    ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
+    _train(rank, ddp, range(3))
+    out["stats"] = state.compression_stats()
+    out["numel"] = sum(p.numel() for p in ddp.parameters())
+    with open(f"{path}.{rank}", "wb") as f:
+        pickle.dump(state, f)
+    dist.barrier()
+    with open(f"{path}.{(rank + 1) % world_size}", "rb") as f:
+        blob = f.read()
+    out["other_rank"] = catch(lambda: pickle.loads(blob))
+    with open(f"{path}.{rank}", "rb") as f:
+        out["own_rank_iter"] = pickle.load(f).iter
+    # find_unused_parameters: layer b's residuals stay while no rank uses it, and go out with
+    # its next gradient.
+    for exchange in ("allgather", "reduce_scatter"):
+        model = _Branchy()
+        ddp = DDP(model, find_unused_parameters=True)
+        state = ddpx.hooks.QuantizedState(bits=4, block_size=32, start_iter=0, exchange=exchange)
+        ddpx.register_comm_hook(ddp, state, ddpx.hooks.quantized_hook)
+        snapshots = []
+        for step in range(4):
+            ddp.zero_grad()
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + step))
+            ddp(x, use_b=step % 2 == 0).pow(2).mean().backward()
+            snapshots.append({k: (v.clone(), state.server_residuals().get(k))
+                              for k, v in state.worker_residuals().items()})
+        out[exchange] = snapshots
+    return out
+
+
+def _changed(a, b):
+    """The parameter keys whose residuals (rank or owner level) differ between two snapshots."""
+    return [k for k in a if not torch.equal(a[k][0], b[k][0]) or (
+        a[k][1] is not None and not torch.equal(a[k][1], b[k][1]))]
+
+
+def test_edge_cases(tmp_path):
+    res = run_ranks(rank_edges, 3, args=(str(tmp_path / "state"),))
+    for rank, r in enumerate(res):
+        err = r["other_rank"]
+        assert err is not None and err[0] == "ValueError" and "allow_reshard" in err[1], err
+        assert r["own_rank_iter"] == 3
+        # Two quantized steps of the whole model at 4 bits, fp32 before: under 8x (a scale per
+        # 32 values, every parameter's short last block and a message's padding cost bytes).
+        rate, before, after = r["stats"]
+        assert before == 2 * r["numel"] * 4
+        assert 5.0 < rate < 8.0 and rate == pytest.approx(before / after), r["stats"]
+        for exchange in ("allgather", "reduce_scatter"):
+            snaps = r[exchange]
+            # Step 1 (b unused): b's weight and bias keep their residuals, the rest move on.
+            kept = [k for k in snaps[0] if k not in _changed(snaps[0], snaps[1])]
+            assert len(kept) == 2, (exchange, rank, kept)
+            # (A block this rank owns by reduce-scatter keeps its residual at the owner level.)
+            assert all(snaps[0][k][0].abs().max() > 0 or (
+                snaps[0][k][1] is not None and snaps[0][k][1].abs().max() > 0) for k in kept)
+            # Step 2 (b used again): its residuals go out and are replaced.
+            assert all(k in _changed(snaps[1], snaps[2]) for k in kept), (exchange, rank)

@@ -4,7 +4,9 @@
 #include <ATen/core/ivalue.h>
 #include <ddpx/common/process_group.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -28,6 +30,12 @@ class CommHook : public c10d::CommHookInterface {
 
   // The hook futures complete with a Tensor; a list holding one Tensor is accepted too.
   at::Tensor parseHookResult(const c10::IValue& result) override;
+
+ protected:
+  // The epoch of the hook's state whose options the ranks last agreed on (none yet): a hook
+  // checks, before its first collective, that every rank built the same hook with the same
+  // options (src/hooks/agreement.h).
+  std::optional<uint64_t> agreed_epoch_;
 };
 
 // How hooks are held and passed: shared by DDP, Python and wrapping hooks.

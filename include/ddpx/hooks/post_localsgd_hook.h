@@ -38,18 +38,21 @@ class PostLocalSGDState {
   const ProcessGroupPtr& process_group() const { return process_group_; }
   void set_process_group(ProcessGroupPtr pg);
   const ProcessGroupPtr& subgroup() const { return subgroup_; }
-  void set_subgroup(ProcessGroupPtr pg) { subgroup_ = std::move(pg); }
+  void set_subgroup(ProcessGroupPtr pg);
 
   // The schedule, readable and settable: when local SGD starts, and whether gradients are still
   // averaged within `subgroup` after that.
   int64_t start_localSGD_iter() const { return start_localSGD_iter_; }
   void set_start_localSGD_iter(int64_t value);
   bool post_local_gradient_allreduce() const { return post_local_gradient_allreduce_; }
-  void set_post_local_gradient_allreduce(bool value) { post_local_gradient_allreduce_ = value; }
+  void set_post_local_gradient_allreduce(bool value);
 
   // Iterations counted so far (stops counting at start_localSGD_iter, as torch's).
   int64_t iter() const { return iter_; }
   void set_iter(int64_t value);
+  // Counts the changes that every rank must make alike (the setters, load_state_dict): the hook
+  // checks again, at its next bucket, that the ranks agree on the schedule and the iteration.
+  uint64_t epoch() const { return epoch_; }
 
   // Counts one iteration when the bucket is the last of a step (bucket 0), and logs once when
   // local SGD starts. Called by the hook in the global phase only, as torch's.
@@ -74,6 +77,7 @@ class PostLocalSGDState {
   int64_t start_localSGD_iter_;
   bool post_local_gradient_allreduce_;
   int64_t iter_ = 0;
+  uint64_t epoch_ = 0;
   Logger logger_;
 };
 

@@ -93,11 +93,15 @@ class PowerSGDState {
   // The group the hooks exchange over.
   const ProcessGroupPtr& process_group() const { return pg_; }
   void set_process_group(ProcessGroupPtr pg);
+  // Counts the changes that every rank must make alike (set_options, set_process_group,
+  // set_iter, load_state_dict): the hooks check again, at their next bucket, that the ranks
+  // agree on the options and the iteration (c10::ValueError naming the option otherwise).
+  uint64_t epoch() const { return epoch_; }
 
   // Iterations counted so far (settable to resume), the elements before and after compression
   // since compression started, and the iteration of the next statistics log line, as torch's.
   int64_t iter() const { return iter_; }
-  void set_iter(int64_t iter) { iter_ = iter; }
+  void set_iter(int64_t iter);
   int64_t total_numel_before_compression() const { return total_before_; }
   int64_t total_numel_after_compression() const { return total_after_; }
   int64_t next_stats_report() const { return next_stats_report_; }
@@ -174,6 +178,7 @@ class PowerSGDState {
   NumpyRandint rng_;
   std::function<int64_t()> seed_source_;
   int64_t iter_ = 0;
+  uint64_t epoch_ = 0;
   int64_t total_before_ = 0;
   int64_t total_after_ = 0;
   int64_t next_stats_report_ = 0;

@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 
 namespace ddpx {
 namespace hooks {
@@ -95,12 +96,19 @@ class QuantizedMemory;
 // Residuals are kept per parameter (keyed by first appearance, as PowerSGDState's memories), so
 // they survive DDP's bucket rebuild and a checkpoint restored into a new process: a bucket whose
 // layout changed takes each parameter's rank-level residual whole, and the owner-level residual
-// of the values this rank owns under both layouts (the rest restarts from zero). A resumed job
-// continues bit for bit when DDP builds the buckets the checkpoint was taken with (the same
-// model, bucket_cap_mb and world size).
+// of the values this rank owns under both layouts; the owner-level residual of a block it no
+// longer owns goes to its rank level (times the world size), and by reduce-scatter the
+// rank-level residual of a block it now owns goes to its owner level (divided by the world
+// size), so that a change of exchange or world size loses no residual. A resumed job continues
+// bit for bit when DDP builds the buckets the checkpoint was taken with (the same model,
+// bucket_cap_mb and world size).
 //
-// Thread-safety: runs on DDP's autograd thread; do not call state_dict(), load_state_dict() or
-// clear_memories() during backward.
+// A block whose gradient is all zeros keeps its residuals for a later step and sends zeros: DDP
+// discards what a hook returns for a parameter that no rank used (find_unused_parameters), so a
+// residual sent with it would be lost.
+//
+// Thread-safety: runs on DDP's autograd thread; the setters, state_dict(), load_state_dict() and
+// clear_memories() refuse to run during backward.
 class QuantizedState {
  public:
   // `process_group` must not be null. Throws c10::ValueError for bad options.
@@ -108,17 +116,27 @@ class QuantizedState {
   ~QuantizedState();
 
   // The group the hook averages over; a new group (not null) takes effect at the next bucket,
-  // whose residuals are then recut for the new world size.
+  // whose residuals are then recut for the new world size. Not during backward (c10::Error).
   const ProcessGroupPtr& process_group() const { return pg_; }
   void set_process_group(ProcessGroupPtr pg);
   // The options in force.
   const QuantizedOptions& options() const { return options_; }
-  // Replaces the options (validated); the residuals are kept.
+  // Replaces the options (validated); the residuals are kept. Not during backward (c10::Error).
   void set_options(const QuantizedOptions& options);
 
-  // Iterations counted so far (the warm-up ends when it reaches start_iter); iter >= 0.
+  // Iterations counted so far (the warm-up ends when it reaches start_iter); iter >= 0. Not set
+  // during backward (c10::Error).
   int64_t iter() const { return iter_; }
   void set_iter(int64_t iter);
+  // Counts the changes that every rank must make alike (set_process_group, set_options,
+  // set_iter, load_state_dict): the hook checks again, at its next bucket, that the ranks agree
+  // on the options and the iteration (a c10::ValueError naming the option and both values on
+  // every rank where they do not).
+  uint64_t epoch() const { return epoch_; }
+  // (bytes before / bytes after, bytes before, bytes after) over the buckets compressed so far:
+  // their values, and their blocks quantized (scales and codes), as PowerSGDState's statistics
+  // compare a tensor with its factors. (0, 0, 0) before the first compressed bucket.
+  std::tuple<double, int64_t, int64_t> compression_stats() const;
   // Counts one iteration on the last bucket of a backward pass.
   void maybe_increase_iter(bool bucket_is_last);
 
@@ -132,8 +150,9 @@ class QuantizedState {
   void load_state_dict(const c10::impl::GenericDict& state, bool allow_reshard = false);
 
   // The residuals per parameter key, as state_dict() saves them (copies). By all-gather there is
-  // no owner level: the server residuals stay as a reduce-scatter layout left them (zeros if
-  // none), and the worker residuals cover every value, this rank's own blocks included.
+  // no owner level: the server residuals are zeros (a reduce-scatter layout's are moved to the
+  // worker level when the layout changes, times the world size), and the worker residuals cover
+  // every value, this rank's own blocks included.
   std::map<int64_t, at::Tensor> worker_residuals() const;
   std::map<int64_t, at::Tensor> server_residuals() const;
   // Forgets every residual: the next step starts from zero, as the first quantized step does.
@@ -143,9 +162,12 @@ class QuantizedState {
   detail::QuantizedMemory& memory() { return *memory_; }
 
  private:
+  void check_not_in_backward(const char* what) const;
+
   ProcessGroupPtr pg_;
   QuantizedOptions options_;
   int64_t iter_ = 0;
+  uint64_t epoch_ = 0;
   std::unique_ptr<detail::QuantizedMemory> memory_;
 };
 

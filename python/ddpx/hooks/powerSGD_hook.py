@@ -313,6 +313,11 @@ powerSGD_hook = make_hook(
     error feedback and warm start as configured in ``state`` (a :class:`PowerSGDState`). Plain
     allreduce before ``state.start_powerSGD_iter``.
 
+    Any other state (None included) raises TypeError: at :func:`ddpx.register_comm_hook`, before
+    anything is installed, and at the first bucket drop-in (DDP runs a Python hook only then).
+    torch's hook accepts any state at registration and fails at the first bucket (an
+    AttributeError for None).
+
     Example::
         >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1,
         ...                                  start_powerSGD_iter=10, min_compression_rate=0.5)
@@ -326,7 +331,8 @@ batched_powerSGD_hook = make_hook(
     lambda state: _C.powersgd_hook(state, batched=True),
     """Torch's ``batched_powerSGD_hook``: the whole bucket compressed as one zero-padded square
     matrix. Faster than :func:`powerSGD_hook` but usually less accurate unless the rank is 1.
-    (torch's own crashes with an AssertionError; this one works.)
+    (torch's own crashes with an AssertionError; this one works.) A state that is not a
+    :class:`PowerSGDState` raises TypeError as for :func:`powerSGD_hook`.
 
     Example::
         >>> state = ddpx.hooks.PowerSGDState(process_group=None, matrix_approximation_rank=1)

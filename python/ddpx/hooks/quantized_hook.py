@@ -4,7 +4,7 @@ Every value of every tensor travels in 8, 4, 2 or 1 bits, with a scale per block
 reduce-scatter style and with two levels of error feedback."""
 import functools
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -156,6 +156,14 @@ class QuantizedState(NativeState):
         """Forgets every residual: the next step starts them from zero."""
         self._cpp.clear_memories()
 
+    def compression_stats(self) -> Tuple[float, int, int]:
+        """The compression so far, as :meth:`PowerSGDState.compression_stats` gives it:
+        ``(rate, bytes_before, bytes_after)`` over the buckets quantized since the state was
+        made, ``bytes_before`` their values' bytes and ``bytes_after`` their blocks' (codes and
+        scales), ``rate = bytes_before / bytes_after``; ``(0.0, 0, 0)`` before the first
+        quantized bucket (the warm-up's allreduce steps do not count)."""
+        return self._cpp.compression_stats()
+
     def worker_residuals(self) -> Dict[int, Any]:
         """This rank's residuals per parameter key (order of first appearance), as copies."""
         return self._cpp.worker_residuals()
@@ -172,8 +180,9 @@ class QuantizedState(NativeState):
         self._cpp = _C.QuantizedState(
             resolve_group(None, _WHO),
             _options(**{name: state[name] for name in _OPTION_NAMES if name in state}))
-        # A pickled state is loaded where it is unpickled, on purpose.
-        self._cpp.load_state_dict(state, allow_reshard=True)
+        # As load_state_dict: residuals pickled by another rank (or in a group of another size)
+        # are refused, not silently handed to this rank.
+        self._cpp.load_state_dict(state)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OPTION_NAMES)

@@ -709,6 +709,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                              f"(world size {self.world_size})")
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         local = self.optim.state_dict()
+        # reduce_scatter_hook's error-feedback residuals (quantized messages): each rank's own,
+        # gathered with its shard and kept by rank in state_dict().
+        hook_state = getattr(self, "_reduce_scatter_state", None)
+        if hook_state is not None and hook_state.residuals():
+            local = dict(local, ddpx_reduce_scatter=hook_state.state_dict())
         self._all_state_dicts = []
         if self.rank == to:
             payload: List[torch.Tensor] = []
@@ -773,6 +778,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if merged is not None:
                 state_dict["state"][i] = merged
         state_dict["state"] = dict(sorted(state_dict["state"].items()))
+        # Copies: a rank's residuals arrived as views of one received buffer, beside state of
+        # other dtypes, which torch.save refuses to write as views of one storage.
+        residuals = [_map_tensors(local.get("ddpx_reduce_scatter"), torch.clone)
+                     for local in self._all_state_dicts]
+        if any(r is not None for r in residuals):
+            state_dict["ddpx_reduce_scatter"] = residuals
         return state_dict
 
     def _merge_piece_states(self, param: torch.Tensor, items: List[tuple]) -> Any:
@@ -824,6 +835,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     self.optim.state[unit] = self._param_state_copy(value, param, piece)
         self._sync_param_groups(state_dict["param_groups"], self.param_groups)
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        self._load_reduce_scatter_residuals(state_dict.get("ddpx_reduce_scatter"))
+
+    def _load_reduce_scatter_residuals(self, per_rank: Optional[List[Any]]) -> None:
+        """This rank's reduce_scatter_hook residuals from a checkpoint's ``"ddpx_reduce_scatter"``
+        (one entry per rank of the saving group): loaded now, or when the hook first runs. Saved
+        at another world size, they restart from zero (they belong to another partition)."""
+        if per_rank is None:
+            return
+        if len(per_rank) != self.world_size:
+            logger.warning(
+                "ZeroRedundancyOptimizer.load_state_dict: the reduce_scatter_hook residuals were "
+                "saved by %d ranks and this group has %d: they restart from zero",
+                len(per_rank), self.world_size)
+            return
+        entry = per_rank[self.rank]
+        if entry is None:
+            return
+        hook_state = getattr(self, "_reduce_scatter_state", None)
+        if hook_state is None:
+            self._reduce_scatter_pending = entry
+        else:
+            hook_state.load_state_dict(entry)
 
     @staticmethod
     def _param_state_copy(value: Any, param: torch.Tensor, piece: Optional[tuple] = None) -> Any:
