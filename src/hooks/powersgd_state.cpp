@@ -143,9 +143,24 @@ void PowerSGDState::log(const std::string& line) const {
 void PowerSGDState::add_compression_stats(int64_t before, int64_t after) {
   total_before_ += before;
   total_after_ += after;
+  compressed_this_step_ = compressed_this_step_ || after < before;
 }
 
 void PowerSGDState::maybe_report_stats(bool bucket_is_last) {
+  if (bucket_is_last) {
+    // A whole compressed step that compressed nothing: every gradient is a vector or a matrix
+    // too small for its rank, so the hook costs PowerSGD's work and saves no byte. Said once.
+    if (!compressed_this_step_ && !warned_nothing_compressed_) {
+      warned_nothing_compressed_ = true;
+      TORCH_WARN("powerSGD_hook: no gradient of step ", iter_,
+                 " was compressed (every one is 1-D, or its factors at matrix_approximation_rank=",
+                 options_.matrix_approximation_rank,
+                 " are not min_compression_rate=", options_.min_compression_rate,
+                 " times smaller than it), so every value is sent as by allreduce_hook; lower "
+                 "matrix_approximation_rank or min_compression_rate, or use allreduce_hook");
+    }
+    compressed_this_step_ = false;
+  }
   if (!bucket_is_last || iter_ < next_stats_report_) return;
   auto stats = compression_stats();
   std::ostringstream os;

@@ -6,11 +6,38 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <map>
+#include <string>
+#include <tuple>
+
 #include "bind_utils.h"
 #include "ops/quantized.h"
 
 namespace ddpx {
 namespace python {
+namespace {
+
+// The contiguous table of n values in blocks of `block` on `device`, made once: built per call,
+// its upload to a device was a synchronous copy from pageable memory, timed into the kernels'
+// figures. A few recent tables are kept (benchmarks and tests use a handful of shapes); the
+// caller holds the GIL, which serialises access.
+const ops::BlockTable& contiguous_table(int64_t n, int64_t block, uint64_t draw_base,
+                                        const c10::Device& device) {
+  using Key = std::tuple<int64_t, int64_t, uint64_t, std::string>;
+  // Never destroyed: device tables must not be freed after the CUDA runtime at exit.
+  static auto& tables = *new std::map<Key, ops::BlockTable>();
+  const Key key{n, block, draw_base, device.str()};
+  auto it = tables.find(key);
+  if (it == tables.end()) {
+    if (tables.size() >= 16) tables.clear();
+    ops::BlockTable table = ops::BlockTable::contiguous(n, block, draw_base);
+    table.to(device);
+    it = tables.emplace(key, std::move(table)).first;
+  }
+  return it->second;
+}
+
+}  // namespace
 
 void bind_quantized(py::module& m) {
   using hooks::QuantizedOptions;
@@ -111,9 +138,8 @@ void bind_quantized(py::module& m) {
         spec.stochastic = stochastic;
         spec.seed = static_cast<uint64_t>(seed);
         spec.stream = static_cast<uint64_t>(stream);
-        ops::BlockTable table =
-            ops::BlockTable::contiguous(x.numel(), block, static_cast<uint64_t>(draw_base));
-        table.to(x.device());
+        const ops::BlockTable& table =
+            contiguous_table(x.numel(), block, static_cast<uint64_t>(draw_base), x.device());
         // `out`: a message to reuse (quantize_ef_into checks its size), so that a benchmark
         // times the kernel and not an allocation.
         at::Tensor message =
@@ -141,8 +167,7 @@ void bind_quantized(py::module& m) {
       "dequantize_",
       [unrotate_of](const at::Tensor& message, int bits, int64_t block, const at::Tensor& out,
                     bool rotate, int64_t seed, int64_t stream) {
-        ops::BlockTable table = ops::BlockTable::contiguous(out.numel(), block);
-        table.to(out.device());
+        const ops::BlockTable& table = contiguous_table(out.numel(), block, 0, out.device());
         ops::dequantize_into(message, table, bits, block, out,
                              unrotate_of(rotate, seed, stream, 0));
         return out;
@@ -154,8 +179,7 @@ void bind_quantized(py::module& m) {
       [unrotate_of](const at::Tensor& messages, int bits, int64_t block, double post_scale,
                     const at::Tensor& out, bool rotate, int64_t seed, int64_t stream,
                     int64_t stream_step) {
-        ops::BlockTable table = ops::BlockTable::contiguous(out.numel(), block);
-        table.to(out.device());
+        const ops::BlockTable& table = contiguous_table(out.numel(), block, 0, out.device());
         ops::dequantize_sum_into(messages, table, bits, block, static_cast<float>(post_scale), out,
                                  ops::ExactValues(),
                                  unrotate_of(rotate, seed, stream, stream_step));

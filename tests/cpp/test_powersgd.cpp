@@ -432,6 +432,36 @@ TEST_P(PowerSGDTest, CompressionStatsInClosedForm) {
   }
 }
 
+// A whole compressed step that compressed nothing (every matrix below min_compression_rate) is
+// said once, on every rank: the hook then costs its work and saves no byte.
+TEST_P(PowerSGDTest, WarnsOnceWhenAStepCompressesNothing) {
+  const Shapes shapes = {{16, 8}, {8}, {40, 6}};
+  const Layout layout = {{0, 1}, {2}};
+  class CaptureWarnings : public ddpx::compat::ScopedWarningHandler {
+   public:
+    void on_warning(const std::string& message) override { messages.push_back(message); }
+    std::vector<std::string> messages;
+  };
+  for (const double rate : {1000.0, 2.0}) {
+    ddpx_test::run_ranks(world(), [&](int r, const ProcessGroupPtr& pg) {
+      auto st = make_state(pg, options(2, rate, 2));
+      auto hook = ddpx::hooks::powerSGD_hook(st);
+      const auto params = make_params(shapes, dtype());
+      CaptureWarnings warnings;
+      for (int s = 0; s < 5; ++s) {
+        ASSERT_FALSE(
+            run_step(*hook, params, layout, grads_of(seed(9), s, r, shapes, dtype())).empty());
+      }
+      if (rate > 100) {
+        ASSERT_EQ(warnings.messages.size(), 1u) << label();
+        EXPECT_THAT(warnings.messages[0], HasSubstr("no gradient of step 2 was compressed"));
+      } else {
+        EXPECT_TRUE(warnings.messages.empty()) << label();
+      }
+    });
+  }
+}
+
 // ---- (e) iterations ----------------------------------------------------------------------------
 
 // iter() grows by one per step, on the last bucket only, before and after start_powerSGD_iter;

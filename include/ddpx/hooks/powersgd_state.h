@@ -179,6 +179,10 @@ class PowerSGDState {
   std::function<int64_t()> seed_source_;
   int64_t iter_ = 0;
   uint64_t epoch_ = 0;
+  // Whether a bucket of the current compressed step was compressed; the warning given once
+  // when a whole step compressed nothing.
+  bool compressed_this_step_ = false;
+  bool warned_nothing_compressed_ = false;
   int64_t total_before_ = 0;
   int64_t total_after_ = 0;
   int64_t next_stats_report_ = 0;
