@@ -47,6 +47,9 @@ else()
 endif()
 ddpx_unity_build(_C)
 target_link_libraries(_C PRIVATE ddpx ddpx_private ${TORCH_PYTHON_LIBRARY})
+# The linked module itself needs libstdc++.so (DdpxLibstdcxx.cmake): whatever flags reached its
+# link, a module with a static copy inside is removed and the build fails with the reason.
+ddpx_check_module_libstdcxx(_C)
 target_compile_definitions(_C PRIVATE TORCH_EXTENSION_NAME=_C)
 if(DDPX_COMPAT_INCLUDE_DIR)
   target_include_directories(_C PRIVATE ${DDPX_COMPAT_INCLUDE_DIR})

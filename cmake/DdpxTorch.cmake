@@ -88,6 +88,15 @@ endif()
 include(DdpxCudaArchs)
 ddpx_select_cuda_archs()
 
+# nvcc compiles the kernels' host code with the C++ compiler chosen for everything else. A CUDA
+# torch's CMake enables CUDA itself, below, and names a host compiler only when that is clang:
+# otherwise nvcc takes the first g++ on PATH, and a build asked for with another compiler
+# (g++-11) compiled its .cu files with a different one. Set before CUDA is enabled, or it has no
+# effect; the user's choice (CMAKE_CUDA_HOST_COMPILER, CUDAHOSTCXX) wins.
+if(NOT CMAKE_CUDA_HOST_COMPILER AND NOT DEFINED ENV{CUDAHOSTCXX} AND NOT DDPX_CUDA STREQUAL "OFF")
+  set(CMAKE_CUDA_HOST_COMPILER "${CMAKE_CXX_COMPILER}")
+endif()
+
 find_package(Torch REQUIRED)
 if(NOT DDPX_TORCH_ROOT)
   set(DDPX_TORCH_ROOT "${TORCH_INSTALL_PREFIX}")

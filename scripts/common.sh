@@ -70,8 +70,13 @@ ddpx_step() { echo "ddpx: [$(date +%H:%M:%S)] $*"; }
 ddpx_install_deps() {
   local wanted=("${DDPX_APT_PACKAGES[@]}")
   [ "$DDPX_TORCH" = debian ] && wanted+=("${DDPX_APT_PACKAGES_DEBIAN[@]}")
+  ddpx_apt_install "${wanted[@]}"
+}
+
+# Installs those of the Debian packages named that are not installed yet (after an apt-get update).
+ddpx_apt_install() {
   local missing=() p
-  for p in "${wanted[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -eq 0 ]; then

@@ -68,6 +68,10 @@ c10::intrusive_ptr<c10::ivalue::Future> sum_into(const ProcessGroupPtr& pg,
           c10::TensorType::get());
 }
 
+struct RowGather::Buffers {
+  StagingPool::Lease send, recv;
+};
+
 RowGather::RowGather(ProcessGroupPtr pg, int64_t row_bytes, const at::TensorOptions& options)
     : pg_(std::move(pg)), row_bytes_(row_bytes) {
   TORCH_INTERNAL_ASSERT(pg_ && row_bytes_ >= 0);
@@ -75,10 +79,10 @@ RowGather::RowGather(ProcessGroupPtr pg, int64_t row_bytes, const at::TensorOpti
   // itself, so nothing is copied to self, and Gloo's CUDA path stages no row of its own). The
   // reduction then uses this rank's own row in place.
   const int64_t peers = pg_->getSize() - 1;
-  auto& pool = StagingPool::instance();
-  send_ = pool.acquire(std::max<int64_t>(peers, 1) * row_bytes_, options);
-  recv_ = pool.acquire(peers * row_bytes_, options);
-  own_ = send_.narrow(0, 0, row_bytes_);
+  buffers_ = std::make_shared<Buffers>();
+  buffers_->send = StagingPool::Lease(std::max<int64_t>(peers, 1) * row_bytes_, options);
+  buffers_->recv = StagingPool::Lease(peers * row_bytes_, options);
+  own_ = buffers_->send.get().narrow(0, 0, row_bytes_);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RowGather::start(Reduce reduce) {
@@ -86,19 +90,17 @@ c10::intrusive_ptr<c10::ivalue::Future> RowGather::start(Reduce reduce) {
   const int64_t rank = pg_->getRank();
   const int64_t peers = world - 1;
   const int64_t row_bytes = row_bytes_;
-  at::Tensor send = send_, recv = recv_, own = own_;
+  at::Tensor send = buffers_->send.get(), recv = buffers_->recv.get(), own = own_;
   if (peers > 1) {
     at::Tensor rows = send.view({peers, row_bytes});
     for (int64_t r = 1; r < peers; ++r) rows[r].copy_(rows[0]);
   }
-  auto finish = [send, recv, own, peers, row_bytes, reduce = std::move(reduce)]() {
+  // The leases go back to the pool with the callback, once it has run.
+  auto finish = [buffers = buffers_, own, peers, row_bytes, reduce = std::move(reduce)]() {
     // On a device, this runs on the callback's stream; the own row is in `send`, which (unlike
     // `recv`) is not the collective's value.
-    keep_until_current_stream_done(send);
-    at::Tensor result = reduce(recv.view({peers, row_bytes}), own);
-    auto& pool = StagingPool::instance();
-    pool.release(send);
-    pool.release(recv);
+    keep_until_current_stream_done(buffers->send.get());
+    at::Tensor result = reduce(buffers->recv.get().view({peers, row_bytes}), own);
     return c10::IValue(result);
   };
   if (world == 1) {
@@ -236,7 +238,8 @@ struct ScatterRound {
   // receives from each peer and round two sends to it). Passed as copies: ProcessGroupGloo
   // moves from its split-size arguments.
   std::vector<int64_t> chunk_splits, own_splits;
-  at::Tensor send, recv;  // round one's bytes: [n] staged, [(world - 1) * own_len] got
+  // Round one's bytes: [n] staged, [(world - 1) * own_len] got.
+  StagingPool::Lease send, recv;
   FuturePtr round_one;
 };
 
@@ -260,12 +263,11 @@ std::shared_ptr<ScatterRound> start_round_one(const ProcessGroupPtr& pg, const a
   auto length_of = [&](int64_t c) { return std::max<int64_t>(0, std::min(step, j->n - c * step)); };
   j->own_begin = std::min(j->n, j->rank * step);
   j->own_len = length_of(j->rank);
-  auto& pool = StagingPool::instance();
-  j->send = pool.acquire(j->n * es, src.options());
-  j->recv = pool.acquire((world - 1) * j->own_len * es, src.options());
+  j->send = StagingPool::Lease(j->n * es, src.options());
+  j->recv = StagingPool::Lease((world - 1) * j->own_len * es, src.options());
   // Natural order to "own last": [0, own_begin) stays, what follows the own chunk moves down by
   // own_len, the own chunk goes to the end. Every piece starts on a multiple of 64 elements.
-  const at::Tensor staged = j->send.view(wire);
+  const at::Tensor staged = j->send.get().view(wire);
   const int64_t own_end = j->own_begin + j->own_len;
   cast_piece(src, 0, staged, 0, j->own_begin, pre_scale);
   cast_piece(src, own_end, staged, j->own_begin, j->n - own_end, pre_scale);
@@ -276,8 +278,9 @@ std::shared_ptr<ScatterRound> start_round_one(const ProcessGroupPtr& pg, const a
     j->own_splits.push_back(self ? 0 : j->own_len * es);
   }
   std::vector<int64_t> in_splits = j->chunk_splits, out_splits = j->own_splits;
-  at::Tensor peers_part = j->send.narrow(0, 0, (j->n - j->own_len) * es);
-  auto work = compat::all_to_all_single(*pg, j->recv, peers_part, out_splits, in_splits);
+  at::Tensor peers_part = j->send.get().narrow(0, 0, (j->n - j->own_len) * es);
+  at::Tensor recv = j->recv.get();
+  auto work = compat::all_to_all_single(*pg, recv, peers_part, out_splits, in_splits);
   j->round_one = future_of(*work, src.device());
   return j;
 }
@@ -292,20 +295,22 @@ FuturePtr issue_round_two(const ProcessGroupPtr& pg, ScatterRound& j) {
   const int64_t world = pg->getSize();
   const int64_t peers = world - 1;
   const int64_t es = static_cast<int64_t>(c10::elementSize(j.wire));
-  auto& pool = StagingPool::instance();
-  at::Tensor send = pool.acquire(peers * j.own_len * es, j.send.options());
+  const StagingPool::Lease send_lease(peers * j.own_len * es, j.send.get().options());
+  at::Tensor send = send_lease.get();
   at::Tensor rows = send.view(j.wire).view({peers, j.own_len});
   if (j.own_len > 0) {
-    sum_rows_with_own_into(j.recv.view(j.wire).view({peers, j.own_len}),
-                           j.send.view(j.wire).narrow(0, j.n - j.own_len, j.own_len), j.rank,
-                           rows[0], j.post_scale);
+    sum_rows_with_own_into(j.recv.get().view(j.wire).view({peers, j.own_len}),
+                           j.send.get().view(j.wire).narrow(0, j.n - j.own_len, j.own_len),
+                           j.rank, rows[0], j.post_scale);
     for (int64_t r = 1; r < peers; ++r) rows[r].copy_(rows[0]);
   }
-  keep_until_current_stream_done(j.send);
-  keep_until_current_stream_done(j.recv);
-  pool.release(std::move(j.send));
-  pool.release(std::move(j.recv));
-  at::Tensor recv = pool.acquire((j.n - j.own_len) * es, send.options());
+  // Round one's buffers are done with (on this stream): back to the pool.
+  keep_until_current_stream_done(j.send.get());
+  keep_until_current_stream_done(j.recv.get());
+  j.send = StagingPool::Lease();
+  j.recv = StagingPool::Lease();
+  const StagingPool::Lease recv_lease((j.n - j.own_len) * es, send.options());
+  at::Tensor recv = recv_lease.get();
   std::vector<int64_t> in_splits = j.own_splits, out_splits = j.chunk_splits;
   auto work = compat::all_to_all_single(*pg, recv, send, out_splits, in_splits);
   const at::ScalarType wire = j.wire;
@@ -313,19 +318,16 @@ FuturePtr issue_round_two(const ProcessGroupPtr& pg, ScatterRound& j) {
   const at::Tensor out = j.out;
   return future_of(*work, out.device())
       ->then(
-          [send, recv, wire, n, own_begin, own_len, out](c10::ivalue::Future& f) {
+          [send_lease, recv_lease, wire, n, own_begin, own_len, out](c10::ivalue::Future& f) {
             f.value();  // rethrows a failed collective
-            keep_until_current_stream_done(send);
+            keep_until_current_stream_done(send_lease.get());
             // The peers' summed chunks came in rank order without this rank's, which is the
             // first row of `send`: back to natural order, into the bucket's dtype.
-            const at::Tensor got = recv.view(wire);
+            const at::Tensor got = recv_lease.get().view(wire);
             const int64_t own_end = own_begin + own_len;
             cast_piece(got, 0, out, 0, own_begin, 1.0);
             cast_piece(got, own_begin, out, own_end, n - own_end, 1.0);
-            cast_piece(send.view(wire), 0, out, own_begin, own_len, 1.0);
-            auto& pool = StagingPool::instance();
-            pool.release(send);
-            pool.release(recv);
+            cast_piece(send_lease.get().view(wire), 0, out, own_begin, own_len, 1.0);
             return c10::IValue(out);
           },
           c10::TensorType::get());

@@ -52,9 +52,11 @@ class RowGather {
   c10::intrusive_ptr<c10::ivalue::Future> start(Reduce reduce);
 
  private:
+  struct Buffers;  // its staging buffers (exchange.cpp), held until the reduction has run
   ProcessGroupPtr pg_;
   int64_t row_bytes_;
-  at::Tensor send_, recv_, own_;
+  std::shared_ptr<Buffers> buffers_;
+  at::Tensor own_;
 };
 
 // The mean of `tensor` over the group, written back into `tensor`: torch's allreduce_hook

@@ -14,6 +14,7 @@
 #include "convert_inl.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define DDPX_X86 1
 #endif
@@ -58,9 +59,13 @@ __attribute__((target("avx,f16c"))) void store_half_f16c(const float* in, uint16
   }
   for (; i < n; ++i) dst[i] = detail::float_to_half(in[i]);
 }
+// F16C from CPUID leaf 1 (clang 15 rejects "f16c" in __builtin_cpu_supports; GCC takes it);
+// "avx" also says that the OS saves the YMM registers, which F16C's 256-bit forms need.
 bool detect_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_F16C)) return false;
   __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return __builtin_cpu_supports("avx");
 }
 #else
 bool detect_f16c() { return false; }
