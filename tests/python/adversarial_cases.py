@@ -6,11 +6,15 @@ impl "ddpx" (mode "dropin": registered with DDP's ``register_comm_hook``; "nativ
 ``ddpx.register_comm_hook``) or impl "torch" (torch's own hook; None where torch has no working
 form of it here, see ``torch_available``).
 
+``QUANTIZED_HOOKS`` adds the quantized hooks for the DDP matrix only (``OPTION_HOOKS``: both).
+
 Rank functions run in the ranks of ``dist_utils.run_ranks``; the tests in ``test_adversarial.py``
-check what they return. The table of every case with ddpx's and torch's outcome is
-``docs/reliability.md``.
+and ``test_adversarial_ddp.py`` check what they return. The table of every case with ddpx's and
+torch's outcome is ``docs/reliability.md``.
 """
 import datetime
+import functools
+import inspect
 import math
 import os
 import time
@@ -23,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as tdh
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as tpl
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tps
+from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as tqh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_cases as dc
@@ -66,31 +71,45 @@ class HookSpec:
 
     def __init__(self, name: str, ddpx_hook: Callable[[], Callable], torch_hook: Optional[Callable],
                  state: Optional[Callable[[str], Any]] = None, averages: bool = True,
-                 elementwise: bool = True, torch_works: bool = True, local_sgd: bool = False):
+                 elementwise: bool = True, torch_works: bool = True, local_sgd: bool = False,
+                 native_hook: Optional[Callable[[], Callable]] = None, zero: bool = False,
+                 quant: Optional[Dict[str, Any]] = None):
         self.name = name
         self._ddpx_hook = ddpx_hook
+        self._native_hook = native_hook
         self._torch_hook = torch_hook
         self._state = state
         self.averages = averages        # gradients leave the hook averaged over the ranks
         self.elementwise = elementwise  # output element i depends only on input elements i
         self.torch_available = torch_hook is not None and torch_works
         self.local_sgd = local_sgd      # a post-local-SGD hook: averaging is the averager's job
+        # The state is the ZeroRedundancyOptimizer that steps the parameters (ZeRO-2): each rank's
+        # .grad is the mean on the elements it owns only, so training steps through that state.
+        self.zero = zero
+        self.quant = quant              # the quantized format (bits, exchange, ...), else None
 
     def state(self, impl: str, group=None, **kwargs) -> Any:
         """The hook state for impl "ddpx" or "torch" on `group` (None: the default group); the
-        group itself for the stateless hooks. kwargs: the post-local state's `subgroup`."""
+        group itself for the stateless hooks. kwargs: the post-local state's `subgroup`, the
+        ZeRO state's `params`."""
         return self._state(impl, group, **kwargs) if self._state is not None else group
 
-    def ddpx_hook(self) -> Callable:
+    def ddpx_hook(self, native: bool = False) -> Callable:
+        """ddpx's hook; for the native registration its native form where the drop-in one
+        differs (a functools.partial natively, a named function for DDP's drop-in path)."""
+        if native and self._native_hook is not None:
+            return self._native_hook()
         return self._ddpx_hook()
 
     def torch_reference(self) -> Callable:
         """torch's hook as the suite runs it. torch's PowerSGD hooks run waited per bucket
         (powersgd_cases.torch_synchronized): as shipped they issue collectives from future
         callbacks and, with several buckets on Gloo, abort the process or hang without any fault
-        (in every such run made while writing these tests; none runs it). Where torch's batched hook
-        cannot run (both torches today), the reference is powersgd_cases.torch_batched_fixed_hook,
-        torch's algorithm with its crashing call fixed."""
+        (in every such run made while writing these tests; none runs it); so do torch's uint8
+        quantization hooks (their second all_gather comes from the first one's callback: with
+        several buckets Gloo times out). Where torch's batched hook cannot run (both torches
+        today), the reference is powersgd_cases.torch_batched_fixed_hook, torch's algorithm with
+        its crashing call fixed."""
         import powersgd_cases as pc
         if self.name == "batched_powerSGD" and not self.torch_available:
             return pc.torch_batched_fixed_hook
@@ -145,7 +164,8 @@ def register(ddp: DDP, spec: HookSpec, impl: str, group=None, **state_kwargs) ->
     """Registers `spec`'s hook on `ddp` as `impl` (torch's as HookSpec.torch_reference runs it)
     with a state on `group`; returns the state."""
     state = spec.state("torch" if impl == "torch" else "ddpx", group, **state_kwargs)
-    hook = spec.torch_reference() if impl == "torch" else spec.ddpx_hook()
+    hook = (spec.torch_reference() if impl == "torch"
+            else spec.ddpx_hook(native=impl == "ddpx_native"))
     if impl == "ddpx_native":
         ddpx.register_comm_hook(ddp, state, hook)
     else:
@@ -472,7 +492,79 @@ OPTIONS: Dict[str, Dict[str, Any]] = {
     "frozen_param": dict(model="frozen"),
     "noncontig_params": dict(model="noncontig"),
     "subgroup_of_2_of_3": dict(group="pair"),
+    # Run with the quantized hooks only: with the gradient as the bucket's view, DDP hands a
+    # globally unused parameter whatever the hook returned for it (without the view it leaves
+    # that .grad alone), so a hook that sent such a parameter's residual would move it.
+    "find_unused_bucket_view": dict(model="branchy", ddp=dict(find_unused_parameters=True,
+                                                              gradient_as_bucket_view=True)),
 }
+# The options of the matrix of HOOKS (every hook with every option); the others are for
+# QUANTIZED_HOOKS only.
+HOOK_OPTIONS = tuple(o for o in OPTIONS if o != "find_unused_bucket_view")
+
+
+# ---- the quantized hooks in the matrix ----------------------------------------------------------
+#
+# ddpx's quantized_hook (torch has none) in a covering set of formats, torch's uint8 quantization
+# hooks (ddpx's are torch's bit for bit) and the quantized ZeRO-2 reduce_scatter_hook. Every
+# quantized state starts at iteration 0 (start_iter=0), so that all OPT_STEPS steps quantize,
+# DDP's first bucket layout and its rebuild included. They are kept apart from HOOKS, which
+# test_adversarial.py (faults, non-finite values, the fp16 range: rules per hook, none written
+# for these) and test_compile.py run hook by hook; the DDP matrix runs OPTION_HOOKS, both.
+
+# torch 1.13's quantization hooks move their buffers with .cuda(): without a GPU they cannot run.
+_TORCH_QUANTIZATION_WORKS = (".cuda(" not in inspect.getsource(tqh)
+                             or torch.cuda.is_available())
+
+
+def _quantized(name: str, bits: int, exchange: str, rotation: str, error_feedback: bool = True,
+               block_size: int = 32) -> HookSpec:
+    fmt = dict(bits=bits, exchange=exchange, rotation=rotation,
+               use_error_feedback=error_feedback, block_size=block_size)
+
+    def state(impl: str, group=None):
+        return ddpx.hooks.QuantizedState(process_group=group, start_iter=0, **fmt)
+    return HookSpec(name, lambda: H.quantized_hook, None, state=state, elementwise=False,
+                    quant=fmt)
+
+
+def _zero2(name: str, bits: int) -> HookSpec:
+    """ZeRO-2 with `bits`-bit messages; its state is the ZeroRedundancyOptimizer (plain SGD at
+    LR, as the other hooks' loop) over the DDP model's trainable parameters."""
+    def state(impl: str, group=None, params=()):
+        return ddpx.optim.ZeroRedundancyOptimizer(list(params), torch.optim.SGD,
+                                                  process_group=group, lr=LR)
+
+    def dropin():
+        def reduce_scatter_hook(state, bucket):  # DDP's drop-in path reads __name__
+            return H.reduce_scatter_hook(state, bucket, bits=bits)
+        return reduce_scatter_hook
+    return HookSpec(name, dropin, None, state=state, elementwise=False, zero=True,
+                    native_hook=lambda: functools.partial(H.reduce_scatter_hook, bits=bits),
+                    quant=dict(bits=bits, exchange="zero2", rotation="none",
+                               use_error_feedback=True, block_size=256))
+
+
+QUANTIZED_HOOKS: Dict[str, HookSpec] = {s.name: s for s in [
+    _quantized("q8_allgather", 8, "allgather", "none", block_size=256),  # the default blocks
+    _quantized("q4_reduce_scatter", 4, "reduce_scatter", "none"),
+    _quantized("q8_reduce_scatter_hadamard", 8, "reduce_scatter", "hadamard"),
+    _quantized("q4_allgather_no_ef", 4, "allgather", "none", error_feedback=False),
+    _quantized("q2_reduce_scatter", 2, "reduce_scatter", "none"),
+    _quantized("q2_allgather_hadamard_no_ef", 2, "allgather", "hadamard", error_feedback=False),
+    _quantized("q1_reduce_scatter_hadamard", 1, "reduce_scatter", "hadamard"),
+    _quantized("q1_allgather_hadamard_no_ef", 1, "allgather", "hadamard", error_feedback=False),
+    HookSpec("quantization_pertensor", lambda: H.quantization_pertensor_hook,
+             lambda: tqh.quantization_pertensor_hook, elementwise=False,
+             torch_works=_TORCH_QUANTIZATION_WORKS),
+    HookSpec("quantization_perchannel", lambda: H.quantization_perchannel_hook,
+             lambda: tqh.quantization_perchannel_hook, elementwise=False,
+             torch_works=_TORCH_QUANTIZATION_WORKS),
+    _zero2("zero2_q8", 8),
+    _zero2("zero2_q4", 4),
+]}
+# Every hook the DDP matrix knows.
+OPTION_HOOKS: Dict[str, HookSpec] = {**HOOKS, **QUANTIZED_HOOKS}
 
 
 class _Linear16(nn.Linear):
@@ -599,25 +691,35 @@ def any_failed(groups: OptionGroups, failed: bool) -> bool:
 
 
 def ref_available(hook: str) -> bool:
-    return HOOKS[hook].torch_available or hook == "batched_powerSGD"
+    return OPTION_HOOKS[hook].torch_available or hook == "batched_powerSGD"
 
 
 def _register_option(ddp: DDP, hook: str, impl: str, group, groups: OptionGroups,
-                     seen: List[float]):
+                     seen: List[float], order: Optional[List[int]] = None):
     """Registers `hook` as `impl` ("torch", "ddpx_dropin", "ddpx_native" or PROBE) with a state
-    on `group`; returns the state."""
+    on `group`; returns the state. The probe appends to `seen` the largest |local gradient| of
+    each bucket, and to `order` the indices (in ddp.parameters()) of the parameters in the order
+    their buckets first reach it (the order a quantized state keys its residuals by)."""
     if impl == PROBE:
+        index = {id(p): i for i, p in enumerate(ddp.parameters())}
+
         def probe(state, bucket):
             seen.append(bucket.buffer().detach().abs().max().double().item())
+            if order is not None:
+                order.extend(index[id(p)] for p in bucket.parameters()
+                             if index[id(p)] not in order)
             return tdh.allreduce_hook(state, bucket)
         ddp.register_comm_hook(group, probe)
         return group
-    spec = HOOKS[hook]
-    return register(ddp, spec, impl, group, **({"subgroup": groups.one} if spec.local_sgd else {}))
+    spec = OPTION_HOOKS[hook]
+    kwargs: Dict[str, Any] = {"subgroup": groups.one} if spec.local_sgd else {}
+    if spec.zero:
+        kwargs["params"] = [p for p in ddp.parameters() if p.requires_grad]
+    return register(ddp, spec, impl, group, **kwargs)
 
 
 def _option_averager(hook: str, impl: str, group):
-    return None if impl == PROBE else make_averager(HOOKS[hook], impl, group)
+    return None if impl == PROBE else make_averager(OPTION_HOOKS[hook], impl, group)
 
 
 def _wrap_option(model: nn.Module, opt: Dict[str, Any], group) -> DDP:
@@ -656,8 +758,10 @@ def _train_option(rank: int, world_size: int, option: str, hook: str, impl: str,
     kind, dtype = opt.get("model", "mlp"), opt.get("dtype", torch.float32)
     loop, group = opt.get("loop", "plain"), groups.group(opt.get("group"))
     seen: List[float] = []
+    order: List[int] = []
     n_models = 2 if loop == "two_models" else 1
-    ddps, optims, averagers = [], [], []
+    spec = None if impl == PROBE else OPTION_HOOKS[hook]
+    ddps, optims, averagers, states = [], [], [], []
     for i in range(n_models):
         model = option_model(kind, dtype)
         if i == 1:  # the second model: other weights
@@ -665,13 +769,23 @@ def _train_option(rank: int, world_size: int, option: str, hook: str, impl: str,
                 for p in model.parameters():
                     p.mul_(0.5)
         ddp = _wrap_option(model, opt, group)
-        _register_option(ddp, hook, impl, group, groups, seen)
+        state = _register_option(ddp, hook, impl, group, groups, seen, order)
         ddps.append(ddp)
-        optims.append(torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=LR))
+        states.append(state)
+        if spec is not None and spec.zero:
+            optims.append(state)  # ZeRO-2: the hook's state steps the parameters
+        else:
+            optims.append(torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad],
+                                          lr=LR))
         averagers.append(None if loop == "join" else _option_averager(hook, impl, group))
     # join: the last rank has 2 batches fewer.
     my_steps = steps - 2 if loop == "join" and rank == world_size - 1 else steps
-    params, buffers, scale = [], [], []
+    # A quantized state's error-feedback residuals after each step, where some parameters go
+    # unused (the branchy models).
+    track = (spec is not None and spec.quant is not None and not spec.zero
+             and spec.quant["use_error_feedback"] and kind.startswith("branchy"))
+    init = torch.cat([dc.flat_params(d) for d in ddps])
+    params, buffers, scale, worker_res, server_res = [], [], [], [], []
 
     def one_step(step: int) -> None:
         for i, (ddp, optim, averager) in enumerate(zip(ddps, optims, averagers)):
@@ -688,6 +802,9 @@ def _train_option(rank: int, world_size: int, option: str, hook: str, impl: str,
         buffers.append(torch.cat([_flat_buffers(d) for d in ddps]))
         scale.append(max(seen) if seen else 0.0)
         seen.clear()
+        if track:
+            worker_res.append(states[0].worker_residuals())
+            server_res.append(states[0].server_residuals())
 
     if loop == "join":
         from torch.distributed.algorithms.join import Join
@@ -697,9 +814,14 @@ def _train_option(rank: int, world_size: int, option: str, hook: str, impl: str,
     else:
         for step in range(my_steps):
             one_step(step)
-    return {"params": torch.stack(params), "buffers": torch.stack(buffers),
-            "final": torch.cat([dc.flat_params(d) for d in ddps]),
-            "max_local_grad": torch.tensor(scale, dtype=torch.float64)}
+    out = {"params": torch.stack(params), "buffers": torch.stack(buffers),
+           "final": torch.cat([dc.flat_params(d) for d in ddps]), "init": init,
+           "max_local_grad": torch.tensor(scale, dtype=torch.float64)}
+    if impl == PROBE:
+        out["bucket_order"] = order
+    if track:
+        out["worker_residuals"], out["server_residuals"] = worker_res, server_res
+    return out
 
 
 def option_impls(hook: str) -> List[str]:
@@ -707,12 +829,15 @@ def option_impls(hook: str) -> List[str]:
 
 
 def rank_options(rank: int, world_size: int, options: Sequence[str],
-                 hooks: Sequence[str] = tuple(HOOKS), steps: int = OPT_STEPS,
-                 reregister: bool = False) -> Dict[Any, Any]:
+                 hooks: Any = tuple(HOOKS), steps: int = OPT_STEPS,
+                 reregister: bool = False, shared_state: Sequence[str] = ()) -> Dict[Any, Any]:
     """results[(option, hook, impl)] = _train_option's record, or {"error": (type, message)};
-    results[(option, PROBE)] = the probe's record. A rank outside an option's group ("pair" on
-    rank 2) records {}. With `reregister`, also results[("reregister", hook, first, second)]:
-    what registering a second hook raised."""
+    results[(option, PROBE)] = the probe's record. `hooks`: the hooks run with every option, or
+    a dict option -> its hooks. A rank outside an option's group ("pair" on rank 2) records {}.
+    With `reregister`, also results[("reregister", hook, first, second)]: what registering a
+    second hook raised. For each quantized hook in `shared_state`, also
+    results[("shared_state", hook, impl)]: what a second DDP model on the first one's state
+    raised (see _shared_state)."""
     groups = fresh_world(rank, world_size)
     out: Dict[Any, Any] = {}
 
@@ -725,13 +850,17 @@ def rank_options(rank: int, world_size: int, options: Sequence[str],
         if any_failed(groups, "error" in out[key]):
             groups = fresh_world(rank, world_size)
 
+    per_option = hooks if isinstance(hooks, dict) else {o: hooks for o in options}
     for option in options:
         run((option, PROBE), "allreduce", PROBE, option)
-        for hook in hooks:
+        for hook in per_option[option]:
             for impl in option_impls(hook):
                 run((option, hook, impl), hook, impl, option)
+    for hook in shared_state:
+        for impl in ("ddpx_dropin", "ddpx_native"):
+            out[("shared_state", hook, impl)] = _shared_state(rank, hook, impl)
     if reregister:
-        for hook in hooks:
+        for hook in dict.fromkeys(h for o in options for h in per_option[o]):
             impls = option_impls(hook)
             for first in impls:
                 for second in impls:
@@ -748,3 +877,23 @@ def _catch_exc(fn: Callable[[], Any]) -> Optional[BaseException]:
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return exc
     return None
+
+
+def _shared_state(rank: int, hook: str, impl: str) -> Dict[str, Any]:
+    """Two DDP models registered with one quantized state (a user's mistake: the residuals are
+    kept per parameter of one model): what each model's first backward raised, {"model0": ...,
+    "model1": ...}."""
+    spec = QUANTIZED_HOOKS[hook]
+    state = spec.state("ddpx")
+    hook_fn = spec.ddpx_hook(native=impl == "ddpx_native")
+    out: Dict[str, Any] = {}
+    for i in range(2):
+        ddp = _wrap_option(_mlp(torch.float32), {}, None)
+        if impl == "ddpx_native":
+            ddpx.register_comm_hook(ddp, state, hook_fn)
+        else:
+            ddp.register_comm_hook(state, hook_fn)
+        x, y = dc.make_batch(rank, i)
+        out[f"model{i}"] = outcome_of(_catch_exc(
+            lambda: nn.functional.mse_loss(ddp(x), y).backward()))
+    return out
