@@ -300,8 +300,8 @@ FuturePtr issue_round_two(const ProcessGroupPtr& pg, ScatterRound& j) {
   at::Tensor rows = send.view(j.wire).view({peers, j.own_len});
   if (j.own_len > 0) {
     sum_rows_with_own_into(j.recv.get().view(j.wire).view({peers, j.own_len}),
-                           j.send.get().view(j.wire).narrow(0, j.n - j.own_len, j.own_len),
-                           j.rank, rows[0], j.post_scale);
+                           j.send.get().view(j.wire).narrow(0, j.n - j.own_len, j.own_len), j.rank,
+                           rows[0], j.post_scale);
     for (int64_t r = 1; r < peers; ++r) rows[r].copy_(rows[0]);
   }
   // Round one's buffers are done with (on this stream): back to the pool.

@@ -133,12 +133,13 @@ void RawCodec::decode_sum(const at::Tensor& rows, const ops::BlockTable& blocks,
           rows[r].narrow(0, 0, count * static_cast<int64_t>(c10::elementSize(wire_))).view(wire_);
     }
     // Each term scaled before it is added (as allreduce_hook divides first): no overflow where
-    // the mean is finite.
+    // the mean is finite. Two roundings, product then sum (add_'s alpha may fuse them into one
+    // on some paths and not on others).
     if (t == 0) {
       sum.copy_(term);
       sum.mul_(scale);
     } else {
-      sum.add_(term.to(sum.scalar_type()), scale);
+      sum.add_(term.to(sum.scalar_type()).mul(scale));
     }
   }
 }

@@ -74,7 +74,7 @@ class ReduceScatterMemory {
   std::unordered_map<const void*, int64_t> index_of;  // partition index of each parameter
   std::unordered_map<size_t, ScatterBucket> live;     // by bucket index
   std::map<int64_t, at::Tensor> parked;               // residuals out of any bucket
-  int64_t sent_elements = 0, sent_bytes = 0;
+  int64_t sent_elements = 0, sent_bytes = 0, layouts_built = 0;
 };
 
 namespace {
@@ -161,12 +161,22 @@ ScatterBucket& ReduceScatterMemory::bucket_for(const c10d::GradBucket& b, int64_
       return it->second;
     }
   }
-  // A new layout (DDP rebuilt its buckets, or new options): every bucket's residuals go back to
-  // per-parameter form, then this one takes its parameters'.
-  park_all();
+  // A new layout. If one of its parameters is still held by a layout (DDP rebuilt its buckets,
+  // or new options), every bucket's residuals go back to per-parameter form first, then this one
+  // takes its parameters'. (Parking on every miss would rebuild each bucket on every step: the
+  // first bucket's layout would park the second's, and so on.)
+  bool held = it != live.end();
+  for (const auto& entry : live) {
+    const auto& other = entry.second.layout->impls;
+    for (const void* p : impls) {
+      held = held || std::find(other.begin(), other.end(), p) != other.end();
+    }
+  }
+  if (held) park_all();
   index_params(zero);
   ScatterBucket q;
   q.layout = make_scatter_layout(b, n, pg, zero, *this, o, options);
+  ++layouts_built;
   const ScatterLayout& L = *q.layout;
   if (L.residuals) {
     q.residual = at::zeros({n}, options.dtype(at::kFloat));
@@ -235,6 +245,7 @@ void ReduceScatterState::set_options(const ReduceScatterOptions& options) {
 
 int64_t ReduceScatterState::sent_elements() const { return memory_->sent_elements; }
 int64_t ReduceScatterState::sent_bytes() const { return memory_->sent_bytes; }
+int64_t ReduceScatterState::layouts_built() const { return memory_->layouts_built; }
 
 std::map<int64_t, at::Tensor> ReduceScatterState::residuals() const { return memory_->residuals(); }
 

@@ -23,8 +23,10 @@
 // used, so ranks never disagree).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DDPX_QEF_CLONES __attribute__((target_clones("avx2", "default"), flatten))
+#define DDPX_QEF_HELPER __attribute__((target_clones("avx2", "default"), noinline))
 #else
 #define DDPX_QEF_CLONES
+#define DDPX_QEF_HELPER inline
 #endif
 
 // The nearest-level encode and the rotation's first Hadamard stages in vector extensions need
@@ -385,6 +387,66 @@ inline float fitted_2bit_scale(const float* vb, int64_t len, float abssum, float
   return h > 0.0f ? -h : t;
 }
 
+// max|v|, sum|v|, whether a value is NaN or infinite, and (load_block with a residual) whether
+// every value of x is zero. Functions of their own, cloned like the entry points and never
+// inlined into them: flattened into them, GCC kept the sum's lanes on the stack in some widths'
+// loops (a store-to-load chain per eight values, on the critical path of the block loop).
+struct BlockStats {
+  float absmax;
+  float abssum;
+  bool nonfinite;
+  bool idle;
+};
+
+// The largest |value| is reduced as its bits, whose integer order is that of finite floats (a
+// block with a NaN or an infinity uses no scale): an integer max reduction vectorises with every
+// compiler, a float one under these flags with GCC only.
+#define DDPX_QEF_STATS_STEP(value)                              \
+  const float a = fabsf(value);                                 \
+  amax = detail::to_bits(a) > amax ? detail::to_bits(a) : amax; \
+  abssum += a;                                                  \
+  nonfinite |= !(a <= 3.4028234663852886e+38f) /* NaN or infinity */
+
+DDPX_QEF_HELPER BlockStats block_stats(const float* v, int64_t len) {
+  uint32_t amax = 0;
+  float abssum = 0.0f;
+  int nonfinite = 0;
+#pragma omp simd reduction(max : amax) reduction(+ : abssum) reduction(| : nonfinite)
+  for (int64_t i = 0; i < len; ++i) {
+    DDPX_QEF_STATS_STEP(v[i]);
+  }
+  return {detail::from_bits(amax), abssum, nonfinite != 0, false};
+}
+
+// v = x (+ r) and its statistics, in one pass.
+template <typename L>
+DDPX_QEF_HELPER BlockStats load_block(const typename L::T* x, const float* r, float* v,
+                                      int64_t len) {
+  uint32_t amax = 0;
+  float abssum = 0.0f;
+  int nonfinite = 0, xnonzero = 0;
+  if (r) {
+#pragma omp simd reduction(max : amax) reduction(+ : abssum) reduction(| : nonfinite, xnonzero)
+    for (int64_t i = 0; i < len; ++i) {
+      const float xi = L::load(x[i]);
+      const float value = detail::q_add(xi, r[i]);
+      v[i] = value;
+      xnonzero |= xi != 0.0f;
+      DDPX_QEF_STATS_STEP(value);
+    }
+  } else {
+#pragma omp simd reduction(max : amax) reduction(+ : abssum) reduction(| : nonfinite)
+    for (int64_t i = 0; i < len; ++i) {
+      const float value = L::load(x[i]);
+      v[i] = value;
+      DDPX_QEF_STATS_STEP(value);
+    }
+    xnonzero = 1;
+  }
+  return {detail::from_bits(amax), abssum, nonfinite != 0, xnonzero == 0};
+}
+#undef DDPX_QEF_STATS_STEP
+
 template <int BITS>
 inline void decode_block(const uint8_t* cb, float scale, int64_t len, float* db);
 
@@ -408,66 +470,29 @@ void quantize_blocks(const typename L::T* x, float* residual, const BlockRef* re
     const typename L::T* xb = x + begin;
     float* rb = residual ? residual + begin : nullptr;
     float* vb = v.data();
-    float absmax = 0.0f, abssum = 0.0f;
-    // The largest |value| as its bits, whose integer order is that of finite floats (a block
-    // with a NaN or an infinity uses no scale): an integer max reduction vectorises with every
-    // compiler, a float one under these flags with GCC only.
-    uint32_t amax = 0;
-    int nonfinite = 0;
-    if (rb) {
-      int xnonzero = 0;
-#pragma omp simd reduction(max : amax) reduction(+ : abssum) reduction(| : nonfinite, xnonzero)
-      for (int64_t i = 0; i < len; ++i) {
-        const float xi = L::load(xb[i]);
-        const float value = detail::q_add(xi, rb[i]);
-        vb[i] = value;
-        const float a = fabsf(value);
-        amax = detail::to_bits(a) > amax ? detail::to_bits(a) : amax;
-        abssum += a;
-        nonfinite |= !(a <= 3.4028234663852886e+38f);  // NaN or infinity
-        xnonzero |= xi != 0.0f;
-      }
-      if (!xnonzero) {
-        // An idle block (every value of x zero: a parameter DDP found unused) sends zeros and
-        // keeps its residual for a later step (quantize_ef.h).
-        scales[b] = 0.0f;
-        uint8_t* cv = code.data();
-        std::fill(cv, cv + len, static_cast<uint8_t>(kZero));
-        std::fill(cv + len, cv + block, uint8_t(0));
-        pack_codes<BITS>(cv, block_bytes, codes + b * block_bytes);
-        continue;
-      }
-    } else {
-#pragma omp simd reduction(max : amax) reduction(+ : abssum) reduction(| : nonfinite)
-      for (int64_t i = 0; i < len; ++i) {
-        const float value = L::load(xb[i]);
-        vb[i] = value;
-        const float a = fabsf(value);
-        amax = detail::to_bits(a) > amax ? detail::to_bits(a) : amax;
-        abssum += a;
-        nonfinite |= !(a <= 3.4028234663852886e+38f);
-      }
+    BlockStats stats = load_block<L>(xb, rb, vb, len);
+    if (rb && stats.idle) {
+      // An idle block (every value of x zero: a parameter DDP found unused) sends zeros and
+      // keeps its residual for a later step (quantize_ef.h).
+      scales[b] = 0.0f;
+      uint8_t* cv = code.data();
+      std::fill(cv, cv + len, static_cast<uint8_t>(kZero));
+      std::fill(cv + len, cv + block, uint8_t(0));
+      pack_codes<BITS>(cv, block_bytes, codes + b * block_bytes);
+      continue;
     }
-    absmax = detail::from_bits(amax);
     uint8_t* cb = codes + b * block_bytes;
     // A whole block of a rotating spec is encoded from its rotated values (eb), and its residual
     // taken afterwards from the decoded codes rotated back; any other block from vb as it is.
-    const bool rotated = spec.rotate && len == block && !nonfinite;
+    const bool rotated = spec.rotate && len == block && !stats.nonfinite;
     float* eb = vb;
     if (rotated) {
       eb = y.data();
       rotate_forward(vb, eb, len, spec, refs[b].draw);
-      amax = 0;
-      abssum = 0.0f;
-#pragma omp simd reduction(max : amax) reduction(+ : abssum) reduction(| : nonfinite)
-      for (int64_t i = 0; i < len; ++i) {
-        const float a = fabsf(eb[i]);
-        amax = detail::to_bits(a) > amax ? detail::to_bits(a) : amax;
-        abssum += a;
-        nonfinite |= !(a <= 3.4028234663852886e+38f);  // overflowed in the rotation
-      }
-      absmax = detail::from_bits(amax);
+      stats = block_stats(eb, len);  // nonfinite: overflowed in the rotation
     }
+    const float absmax = stats.absmax, abssum = stats.abssum;
+    const bool nonfinite = stats.nonfinite;
     if (nonfinite) {
       scales[b] = NAN;
       std::memset(cb, 0, static_cast<size_t>(block_bytes));

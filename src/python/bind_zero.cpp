@@ -294,6 +294,8 @@ void bind_zero(py::module& m) {
                              "Elements this rank sent to other ranks so far.")
       .def_property_readonly("sent_bytes", &ReduceScatterState::sent_bytes,
                              "Bytes of those messages.")
+      .def_property_readonly("layouts_built", &ReduceScatterState::layouts_built,
+                             "Bucket layouts built so far (one per bucket and bucketing).")
       .def("residuals", &ReduceScatterState::residuals,
            "The error-feedback residuals per parameter index (copies).")
       .def(

@@ -20,11 +20,13 @@
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "comm/deferred.h"
 #include "comm/exchange.h"
 #include "comm/packer.h"
+#include "comm/sharded_exchange.h"
 #include "common/compat_internal.h"
 #include "test_utils.h"
 
@@ -335,6 +337,61 @@ TEST(DeferredCollective, AFailingStepGoesToItsOwnBucket) {
 }
 
 // ---- compat::make_reducer ----------------------------------------------------------------------
+
+// The owner-sharded exchange's scatter round with raw values (ZeRO-2's reduce_scatter_hook): each
+// owner's packed sum is its own values and every peer's, each scaled before it is added, in rank
+// order, in the values' dtype (fp64 here): bit for bit that closed form, for an ownership that
+// interleaves the ranks' blocks and gives one rank nothing. Round two (gather_from_owners) sends
+// every owner's sum back into every rank's buffer.
+TEST(ShardedExchange, RawScatterAndGatherAreTheScaledSumInRankOrder) {
+  const int world = 3;
+  const int64_t n = 40;
+  // Blocks [begin, begin + len) and their owners: rank 2 owns nothing.
+  const std::vector<std::tuple<int64_t, int64_t, int>> blocks = {
+      {0, 7, 1}, {7, 5, 0}, {12, 9, 1}, {21, 11, 0}, {32, 8, 1}};
+  auto input = [](int rank) {
+    return at::linspace(-1.0, 1.0, n, at::kDouble) * (rank + 1.5) + 1e-3 * rank;
+  };
+  const double scale = 1.0 / world;
+  ddpx_test::run_ranks(world, [&](int rank, const ProcessGroupPtr& pg) {
+    std::vector<std::vector<ddpx::kernels::BlockRef>> to_owner(world);
+    for (const auto& [b, len, owner] : blocks) to_owner[owner].push_back({b, len, 0});
+    std::vector<int64_t> offsets;
+    int64_t owned = 0;
+    for (const auto& r : to_owner[rank]) {
+      offsets.push_back(owned);
+      owned += r.len;
+    }
+    auto codec = std::make_shared<const ddpx::comm::RawCodec>(at::kDouble);
+    auto plan = std::make_shared<const ddpx::comm::ShardPlan>(world, rank, to_owner, offsets, owned,
+                                                              *codec, c10::Device(at::kCPU));
+    const at::Tensor x = input(rank);
+    ddpx::comm::OwnerScatter scatter(pg, plan, codec, x, at::Tensor(), 0);
+    scatter.wait();
+    at::Tensor sum = at::empty({owned}, at::kDouble);
+    scatter.sum_into(sum, scale, {});
+    // The closed form: term by term, each scaled first, in rank order.
+    at::Tensor expected = at::zeros({owned}, at::kDouble);
+    for (int r = 0; r < world; ++r) {
+      at::Tensor packed = at::empty({owned}, at::kDouble);
+      int64_t at = 0;
+      for (const auto& ref : to_owner[rank]) {
+        packed.narrow(0, at, ref.len).copy_(input(r).narrow(0, ref.begin, ref.len));
+        at += ref.len;
+      }
+      expected = r == 0 ? packed * scale : expected + packed * scale;
+    }
+    EXPECT_TRUE(bitwise_equal(sum, expected)) << "rank " << rank;
+    // Round two: every rank ends with every owner's sum at its blocks (rank 2's none: zeros kept).
+    at::Tensor out = at::zeros({n}, at::kDouble);
+    auto fut = ddpx::comm::gather_from_owners(pg, plan, codec, sum, at::Tensor(), 0, out, {});
+    fut->wait();
+    ASSERT_FALSE(fut->hasError()) << fut->tryRetrieveErrorMessage();
+    at::Tensor mean = at::zeros({n}, at::kDouble);
+    for (int r = 0; r < world; ++r) mean = r == 0 ? input(r) * scale : mean + input(r) * scale;
+    EXPECT_TRUE(bitwise_equal(out, mean)) << "rank " << rank;
+  });
+}
 
 // Two ranks train y = W x one step through DDP's C++ Reducer made by ddpx's factory, with ddpx's
 // allreduce hook registered on it: each rank's gradient is then the mean of both ranks' own

@@ -78,12 +78,15 @@ def train(rank, world_size, opt, partition, mode, grad_view):
         nn.functional.mse_loss(ddp(x), y).backward()
         if s == 0:
             out["grads"] = [p.grad.detach().clone() for p in model.parameters()]
+        if s == 1 and mode != "ref":  # after DDP's rebuilt buckets' first step
+            out["layouts"] = optim._reduce_scatter_state.layouts_built
         if mode in ("rs", "ref"):
             optim.step()
         traj.append(flat(model))
     out["traj"] = torch.stack(traj)
     if mode != "ref":
         out["sent"] = optim._reduce_scatter_state.sent_elements
+        out["layouts_after"] = optim._reduce_scatter_state.layouts_built
     return out
 
 
@@ -173,6 +176,8 @@ def test_reduce_scatter_matches_allreduce(world_size, opt, partition, mode, grad
         # the bytes: every element owned elsewhere, once per step
         others = sum(e - b for ranges in r["owners"] for b, e, o in ranges if o != rank)
         assert r["sent"] == others * STEPS, (r["sent"], others)
+        # each bucket's ownership tables are built once per bucketing, not on every step
+        assert r["layouts_after"] == r["layouts"], (r["layouts"], r["layouts_after"])
     assert (mine[0]["traj"][-1] - mine[0]["traj"][0]).abs().max() > 1e-3
     # together the ranks sent (W - 1) model sizes per step: one per rank on average
     total = sum(r["sent"] for r in mine) / STEPS

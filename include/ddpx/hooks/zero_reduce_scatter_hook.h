@@ -66,6 +66,9 @@ class ReduceScatterState {
   // Elements and bytes this rank has sent to other ranks so far.
   int64_t sent_elements() const;
   int64_t sent_bytes() const;
+  // Bucket layouts built so far (their ownership tables): one per bucket and per DDP bucketing
+  // or options, not per step.
+  int64_t layouts_built() const;
 
   // {"format", the options, "rank", "world_size", "residuals": {parameter index: CPU fp32
   // tensor of the parameter's size}} (zeros where this rank owns the values); no residuals
