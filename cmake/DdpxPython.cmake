@@ -37,7 +37,8 @@ endif()
 set(_ddpx_py_sources src/python/module.cpp src/python/bind_utils.cpp src/python/bind_hooks.cpp
   src/python/bind_powersgd.cpp src/python/bind_post_localsgd.cpp src/python/bind_averaging.cpp
   src/python/bind_kernels.cpp src/python/bind_functional_optim.cpp
-  src/python/bind_zero.cpp src/python/bind_rpc_optim.cpp src/python/bind_quantized.cpp)
+  src/python/bind_zero.cpp src/python/bind_rpc_optim.cpp src/python/bind_quantized.cpp
+  src/python/bind_diloco.cpp)
 if(pybind11_FOUND)
   pybind11_add_module(_C MODULE ${_ddpx_py_sources})
 else()

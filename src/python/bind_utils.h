@@ -91,6 +91,7 @@ void bind_kernels(py::module& m);
 void bind_functional_optim(py::module& m);
 void bind_zero(py::module& m);
 void bind_rpc_optim(py::module& m);
+void bind_diloco(py::module& m);
 
 }  // namespace python
 }  // namespace ddpx

@@ -23,4 +23,5 @@ PYBIND11_MODULE(_C, m) {
   ddpx::python::bind_functional_optim(m);
   ddpx::python::bind_zero(m);
   ddpx::python::bind_rpc_optim(m);
+  ddpx::python::bind_diloco(m);
 }
