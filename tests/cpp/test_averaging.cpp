@@ -5,7 +5,8 @@
 //   * PeriodicModelAverager / HierarchicalModelAverager: which steps average over which group;
 //   * PostLocalSGDState / PostLocalSGDHook: global then subgroup averaging, iteration counting,
 //     state_dict round trips;
-//   * PostLocalSGDOptimizer over torch::optim::SGD: step + averaging, save/load, zero_grad.
+//   * PostLocalSGDOptimizer over torch::optim::SGD: step + averaging, save/load, zero_grad;
+//   * DiLoCo (Streaming, quantized outer gradients): agreement of the global parameters, resume.
 //
 // Expected values are closed forms. Where a mean is checked on 3 or 4 ranks, rank r's input is
 // n * v_r with v_r a small multiple of 1/4: x / n is then exact and every sum of the v_r is exact
@@ -13,6 +14,7 @@
 // checked bit for bit. On 2 ranks random values are checked bit for bit too: a/2 + b/2 is exact
 // in any dtype that can hold a and b, so the result is (a + b) / 2 rounded once to the dtype.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
@@ -22,9 +24,11 @@
 #include <ddpx/hooks.h>
 #include <ddpx/hooks/post_localsgd_hook.h>
 #include <ddpx/optim/averagers.h>
+#include <ddpx/optim/diloco.h>
 #include <ddpx/optim/post_localsgd_optimizer.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
@@ -1310,6 +1314,110 @@ TEST(PostLocalSGDOptimizer, LoadWithoutStepWarnsAndRestartsAtZero) {
 }
 
 }  // namespace
+
+// ddpx::optim::DiLoCo over torch::optim::Adam, Streaming (2 fragments, delay 1, alpha 0.25) with
+// 4-bit outer gradients: the global parameters are bit-identical on both ranks at every step
+// and move at the fragments' outer steps only; a copy loaded from save() at step 6 (a fragment's
+// exchange pending, residuals held) continues in lockstep with the original, bit for bit.
+TEST(DiLoCo, GlobalParametersAgreeAndLoadResumesBitForBit) {
+  ddpx_test::run_ranks(2, [&](int rank, const ProcessGroupPtr& pg) {
+    ddpx::optim::DiLoCoOptions o;
+    o.sync_every = 4;
+    o.fragments = 2;
+    o.fragment_sync_delay = 1;
+    o.fragment_update_alpha = 0.25;
+    o.bits = 4;
+    o.block_size = 64;
+    struct Run {
+      std::vector<at::Tensor> params;
+      std::unique_ptr<ddpx::optim::DiLoCo> opt;
+    };
+    auto make = [&](const std::vector<at::Tensor>& init) {
+      Run r;
+      for (const auto& t : init) r.params.push_back(t.detach().clone().requires_grad_());
+      auto adam = std::make_shared<torch::optim::Adam>(r.params, torch::optim::AdamOptions(1e-2));
+      r.opt = std::make_unique<ddpx::optim::DiLoCo>(adam, pg, o);
+      return r;
+    };
+    // Generators of their own: the rank threads share the default one.
+    auto gen0 = at::detail::createCPUGenerator(7);  // the same initial values on both ranks
+    const std::vector<at::Tensor> init = {at::randn({16, 12}, gen0), at::randn({16}, gen0),
+                                          at::randn({3, 16}, gen0)};
+    auto loss_step = [&](Run& r, int s) {
+      auto gen = at::detail::createCPUGenerator(100 * rank + s);  // per-rank data
+      const at::Tensor x = at::randn({8, 12}, gen);
+      const at::Tensor y = at::randn({8, 3}, gen);
+      r.opt->zero_grad();
+      at::Tensor h = at::tanh(at::addmm(r.params[1], x, r.params[0].t()));
+      at::mse_loss(at::mm(h, r.params[2].t()), y).backward();
+      r.opt->step();
+    };
+    Run a = make(init);
+    std::vector<std::vector<at::Tensor>> globals;
+    std::stringstream stream;
+    for (int s = 0; s < 6; ++s) loss_step(a, s);
+    EXPECT_FALSE(a.opt->sync().pending().empty()) << "nothing in flight at the checkpoint";
+    {
+      torch::serialize::OutputArchive out;
+      a.opt->save(out);
+      out.save_to(stream);
+    }
+    std::vector<at::Tensor> at6;
+    for (const auto& p : a.params) at6.push_back(p.detach().clone());
+    Run b = make(at6);
+    {
+      torch::serialize::InputArchive in;
+      in.load_from(stream);
+      b.opt->load(in);
+    }
+    for (int s = 6; s < 12; ++s) {
+      for (Run* r : {&a, &b}) loss_step(*r, s);
+      for (size_t i = 0; i < a.params.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(a.params[i].detach(), b.params[i].detach()))
+            << "rank " << rank << " step " << s << " parameter " << i;
+      }
+      std::vector<at::Tensor> g;
+      for (const auto& t : a.opt->sync().global_params()) g.push_back(t.clone());
+      globals.push_back(g);
+    }
+    EXPECT_EQ(a.opt->sync().step(), 12);
+    // Both ranks' global parameters, bit for bit: all-gathered through the group.
+    for (size_t k = 0; k < globals.size(); ++k) {
+      at::Tensor mine =
+          at::cat({globals[k][0].reshape(-1), globals[k][1], globals[k][2].reshape(-1)});
+      std::vector<std::vector<at::Tensor>> out(1);
+      for (int r = 0; r < 2; ++r) out[0].push_back(at::empty_like(mine));
+      std::vector<at::Tensor> in{mine};
+      pg->allgather(out, in)->wait();
+      EXPECT_TRUE(bitwise_equal(out[0][0], out[0][1])) << "step " << k + 7;
+    }
+    // Fragment 0 (parameter 0) takes new global values at steps 2 + 1, 6 + 1, 10 + 1 (globals[k]:
+    // after step 7 + k), and keeps them in between.
+    EXPECT_TRUE(bitwise_equal(globals[0][0], globals[3][0]));   // steps 7 to 10
+    EXPECT_FALSE(bitwise_equal(globals[3][0], globals[4][0]));  // the outer step at step 11
+  });
+}
+
+TEST(DiLoCo, BadOptionsNameTheOption) {
+  const auto& pg = ddpx_test::shared_gloo_world(1)[0];
+  at::Tensor p = at::zeros({4}).requires_grad_();
+  auto make = [&](ddpx::optim::DiLoCoOptions o) {
+    auto sgd = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{p},
+                                                   torch::optim::SGDOptions(0.1));
+    ddpx::optim::DiLoCo opt(sgd, pg, o);
+  };
+  ddpx::optim::DiLoCoOptions o;
+  EXPECT_THROW(make(o), c10::ValueError);  // sync_every 0
+  o.sync_every = 2;
+  EXPECT_NO_THROW(make(o));
+  o.fragments = 2;  // one parameter
+  EXPECT_THAT([&] { make(o); }, ::testing::ThrowsMessage<c10::ValueError>(
+                                    ::testing::HasSubstr("number of parameters")));
+  o.fragments = 1;
+  o.bits = 3;
+  EXPECT_THAT([&] { make(o); },
+              ::testing::ThrowsMessage<c10::ValueError>(::testing::HasSubstr("bits")));
+}
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleMock(&argc, argv);
