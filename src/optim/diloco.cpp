@@ -509,7 +509,7 @@ at::Tensor DiLoCo::step(torch::optim::Optimizer::LossClosure closure) {
   return loss;
 }
 
-void DiLoCo::zero_grad(bool set_to_none) { inner_->zero_grad(set_to_none); }
+void DiLoCo::zero_grad(bool set_to_none) { compat::zero_grad(*inner_, set_to_none); }
 
 std::vector<torch::optim::OptimizerParamGroup>& DiLoCo::param_groups() {
   return inner_->param_groups();

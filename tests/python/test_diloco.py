@@ -9,7 +9,8 @@
   * every replica bit-identical after each synchronization (bits 32, 16, 8, 4, 2, 1);
   * a checkpoint mid-run (a fragment in flight, quantized residuals) resumes bit for bit, with
     the C++ SGD and with a torch Adam as outer optimizer; another rank's residuals are refused;
-  * bad arguments and ranks built with different schedules give clear errors.
+  * bad arguments and ranks built with different schedules give clear errors;
+  * islands: DDP inside two groups of two ranks, DiLoCo across them.
 """
 import copy
 import traceback
@@ -210,11 +211,35 @@ def case_errors(rank, world_size):
     return out
 
 
+def case_islands(rank, world_size):
+    """Two islands of two ranks: DDP (ddpx's allreduce hook) inside each island's group,
+    DiLoCo over the group of the ranks holding the same position in each island."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    islands = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    island, position = rank // 2, rank % 2
+    model = make_model()
+    ddp = DDP(model, process_group=islands[island])
+    ddpx.register_comm_hook(ddp, islands[island], ddpx.hooks.allreduce_hook)
+    opt = ddpx.optim.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=3,
+                            process_group=across[position], bits=8)
+    traj = []
+    for s in range(9):
+        opt.zero_grad()
+        x, y = batch(rank, s)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        traj.append(flat(model))
+    return torch.stack(traj)
+
+
 def rank_main(rank, world_size):
     out = {}
     cases = [case_reference, case_bits]
     if world_size == 2:
         cases += [case_resume, case_errors]
+    if world_size == 4:
+        cases += [case_islands]
     for fn in cases:
         try:
             out[fn.__name__] = fn(rank, world_size)
@@ -332,3 +357,14 @@ def test_bad_arguments():
     for rank, r in enumerate(res):
         assert r["disagree"] is not None, rank
         assert r["disagree"][0] == "ValueError" and "sync_every" in r["disagree"][1], r["disagree"]
+
+
+def test_islands():
+    res = get(4, "case_islands")
+    for s in range(9):
+        # DDP keeps each island's two ranks identical at every step
+        assert torch.equal(res[0][s], res[1][s]) and torch.equal(res[2][s], res[3][s]), s
+        if (s + 1) % 3 == 0:  # DiLoCo's synchronizations make the islands identical
+            assert torch.equal(res[0][s], res[2][s]), s
+        else:  # between them the islands train apart
+            assert not torch.equal(res[0][s], res[2][s]), s

@@ -129,6 +129,8 @@ CHECKS: Dict[str, Callable[[str, str], None]] = {
     "post-local-sgd": _each_rank(r"rank {rank}: replicas equal after the averaging step: True"),
     "hierarchical": _each_rank(r"rank {rank}: averaged with every rank at steps 0 and 4"),
     "zero-resume": _each_rank(r"rank {rank}: resumed run bit for bit the same: True"),
+    "diloco": _each_rank(r"rank {rank}: replicas identical after the synchronization: True, "
+                         r"\d+ bytes of outer gradients sent, (2[0-9]{2}|3[0-9]{2})x fewer"),
     "dist-optim": lambda out, folder: _lines(
         out, r"C\+\+ steps on the owner: True; its weights changed: True") or pytest.fail(out),
 }
@@ -280,6 +282,7 @@ _CPP_FRAGMENT_PRELUDE = """\
 #include <ddpx/ddp.h>
 #include <ddpx/hooks.h>
 #include <ddpx/optim/averagers.h>
+#include <ddpx/optim/diloco.h>
 #include <ddpx/optim/post_localsgd_optimizer.h>
 #include <ddpx/optim/zero.h>
 #include <torch/torch.h>
