@@ -113,33 +113,32 @@ void RawCodec::decode_sum(const at::Tensor& rows, const ops::BlockTable& blocks,
   const at::Tensor sum = dst.narrow(0, 0, count);
   const int64_t peers = rows.size(0);
   const int64_t terms = peers + (exact.x.defined() ? 1 : 0);
-  at::Tensor own;
-  if (exact.x.defined()) {
-    // This rank's own values, packed as the rows are.
-    own = at::empty({count}, dst.options());
-    int64_t at = 0;
-    for (const auto& r : exact.table->refs()) {
-      own.narrow(0, at, r.len).copy_(exact.x.narrow(0, r.begin, r.len));
-      at += r.len;
-    }
-  }
+  // Each term scaled before it is added (as allreduce_hook divides first): no overflow where
+  // the mean is finite. Two roundings, product then sum, each term scaled in its own buffer (no
+  // temporary of the whole sum per term; add_'s alpha may fuse the two roundings into one on some
+  // paths and not on others).
   for (int64_t t = 0; t < terms; ++t) {
     at::Tensor term;
     if (exact.x.defined() && t == exact.row) {
-      term = own;
+      // This rank's own values, packed as the rows are (into the sum itself when first).
+      term = t == 0 ? sum : at::empty({count}, dst.options());
+      int64_t at = 0;
+      for (const auto& r : exact.table->refs()) {
+        term.narrow(0, at, r.len).copy_(exact.x.narrow(0, r.begin, r.len));
+        at += r.len;
+      }
     } else {
       const int64_t r = exact.x.defined() && t > exact.row ? t - 1 : t;
       term =
           rows[r].narrow(0, 0, count * static_cast<int64_t>(c10::elementSize(wire_))).view(wire_);
+      if (term.scalar_type() != sum.scalar_type()) term = term.to(sum.scalar_type());
     }
-    // Each term scaled before it is added (as allreduce_hook divides first): no overflow where
-    // the mean is finite. Two roundings, product then sum (add_'s alpha may fuse them into one
-    // on some paths and not on others).
     if (t == 0) {
-      sum.copy_(term);
+      if (!term.is_same(sum)) sum.copy_(term);
       sum.mul_(scale);
     } else {
-      sum.add_(term.to(sum.scalar_type()).mul(scale));
+      term.mul_(scale);
+      sum.add_(term);
     }
   }
 }

@@ -65,7 +65,8 @@ class Codec {
                       const at::Tensor& message) const = 0;
   // dst (sum_dtype, indexed by `blocks`) = the sum over the rows of `rows` ([rows, bytes], each a
   // message of `blocks`) of `scale` times its values, in row order, with `exact` (x defined)
-  // one more term at its row.
+  // one more term at its row. The rows are received messages, spent here: a codec may scale
+  // them in place.
   virtual void decode_sum(const at::Tensor& rows, const ops::BlockTable& blocks, double scale,
                           const at::Tensor& dst, const ops::ExactValues& exact,
                           TermStreams streams) const = 0;

@@ -235,7 +235,7 @@ void DiLoCoSync::start_exchange(Fragment& f) {
     c10d::GradBucket bucket =
         compat::make_grad_bucket(k, count, buffer, b.offsets, b.lengths, b.sizes, b.params);
     f.inflight.push_back(f.hook->runHook(bucket));
-    if (!f.quantized) message_bytes_ += b.n * (options_.bits == 16 ? 2 : 4);
+    if (!f.quantized) message_bytes_ += b.n * (options_.bits == 16 ? 2 : f.delta.element_size());
   }
   if (f.quantized) {
     message_bytes_ += static_cast<int64_t>(std::get<2>(f.quantized->compression_stats()) - before);
@@ -429,6 +429,31 @@ void DiLoCoSync::load_state_dict(const c10::impl::GenericDict& d, bool allow_res
   TORCH_CHECK_TYPE(qv.isGenericDict(), "DiLoCo.load_state_dict: 'quantized' must be a dict");
   const int64_t saved_rank = in.get_int("rank"), saved_world = in.get_int("world_size");
   const bool same_rank = saved_rank == pg_->getRank() && saved_world == pg_->getSize();
+  // The pending outer gradients, checked before anything changes.
+  std::vector<std::tuple<int64_t, int64_t, at::Tensor>> pending;
+  for (const auto& kv : pv.toGenericDict()) {
+    TORCH_CHECK_TYPE(kv.key().isInt() && kv.value().isGenericDict(),
+                     "DiLoCo.load_state_dict: 'pending' must map fragments to dicts");
+    const int64_t i = kv.key().toInt();
+    check_fragment(i);
+    const c10::impl::GenericDict entry = kv.value().toGenericDict();  // the reader keeps a ref
+    const hooks::detail::CheckpointReader p(entry, "DiLoCo.load_state_dict");
+    const c10::IValue g = p.get("outer_gradient");
+    TORCH_CHECK_TYPE(g.isTensor(), "DiLoCo.load_state_dict: 'outer_gradient' must be a tensor");
+    const int64_t n = fragments_[static_cast<size_t>(i)]->delta.numel();
+    TORCH_CHECK_VALUE(g.toTensor().numel() == n, "DiLoCo.load_state_dict: the pending outer ",
+                      "gradient of fragment ", i, " has ", g.toTensor().numel(),
+                      " values, the fragment ", n);
+    const int64_t due = p.get_int("due");
+    TORCH_CHECK_VALUE(due >= step, "DiLoCo.load_state_dict: fragment ", i, " is due at step ", due,
+                      ", before the saved step ", step);
+    pending.emplace_back(i, due, g.toTensor());
+  }
+  for (const auto& kv : qv.toGenericDict()) {
+    TORCH_CHECK_TYPE(kv.key().isInt() && kv.value().isGenericDict(),
+                     "DiLoCo.load_state_dict: 'quantized' must map fragments to dicts");
+    check_fragment(kv.key().toInt());
+  }
   // Everything checked: now change the state (the quantized states check their own).
   for (auto& f : fragments_) wait_exchange(*f);
   for (const auto& kv : qv.toGenericDict()) {
@@ -450,19 +475,10 @@ void DiLoCoSync::load_state_dict(const c10::impl::GenericDict& d, bool allow_res
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < global_.size(); ++i) global_[i].copy_(global[static_cast<int64_t>(i)]);
   for (auto& f : fragments_) f->due = -1;
-  for (const auto& kv : pv.toGenericDict()) {
-    const int64_t i = kv.key().toInt();
-    check_fragment(i);
+  for (const auto& [i, due, g] : pending) {
     Fragment& f = *fragments_[static_cast<size_t>(i)];
-    const c10::impl::GenericDict entry =
-        kv.value().toGenericDict();  // the reader keeps a reference
-    const hooks::detail::CheckpointReader p(entry, "DiLoCo.load_state_dict");
-    const at::Tensor g = p.get("outer_gradient").toTensor();
-    TORCH_CHECK_VALUE(g.numel() == f.delta.numel(), "DiLoCo.load_state_dict: the pending outer ",
-                      "gradient of fragment ", i, " has ", g.numel(), " values, the fragment ",
-                      f.delta.numel());
     f.delta.copy_(g);
-    f.due = p.get_int("due");
+    f.due = due;
   }
   step_ = step;
   agreed_ = false;

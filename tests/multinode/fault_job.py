@@ -1,13 +1,13 @@
 """A training job that checkpoints every step and resumes from its last checkpoint, for the
 multi-node fault tests (test_faults.py); launched by torchrun, one rank per node.
 
-    torchrun ... fault_job.py --kind powersgd|zero|localsgd --ckpt DIR --out DIR
+    torchrun ... fault_job.py --kind powersgd|zero|localsgd|diloco --ckpt DIR --out DIR
         [--fault kill|stall --fault-rank R --fault-step K] [--steps N] [--timeout S]
 
 --kind picks what must survive a restart: ddpx's PowerSGD hook (its error-feedback memories,
 Q factors and generator: state_dict()), ddpx's ZeroRedundancyOptimizer (its state consolidated
-to rank 0 and saved there), or post-local SGD (the hook's iter, PostLocalSGDOptimizer's averager
-step). Each rank saves its checkpoint after every step; on start the ranks agree on the newest
+to rank 0 and saved there), post-local SGD (the hook's iter, PostLocalSGDOptimizer's averager
+step), or DiLoCo (its global parameters, residuals and the fragment in flight, per rank). Each rank saves its checkpoint after every step; on start the ranks agree on the newest
 step that every rank has saved (an allreduce of MIN) and resume from it. The data of a step
 depends on the step and the rank only, so a run that restarts ends where an uninterrupted one
 does, bit for bit.
@@ -66,6 +66,13 @@ class Job:
             self.opt = ddpx.optim.ZeroRedundancyOptimizer(
                 self.ddp.parameters(), optimizer_class=torch.optim.SGD, partition="balanced",
                 **sgd)
+        elif kind == "diloco":
+            # No DDP: a plain replica per rank; streaming with a fragment's 4-bit exchange in
+            # flight through the next step (fragment 0 at steps 2, 6, 10; fragment 1 at 4, 8).
+            self.ddp = self.model
+            self.opt = ddpx.optim.DiLoCo(torch.optim.SGD(self.model.parameters(), **sgd),
+                                         sync_every=4, fragments=2, fragment_sync_delay=1,
+                                         fragment_update_alpha=0.25, bits=4, block_size=64)
         elif kind == "localsgd":
             self.state = H.PostLocalSGDState(process_group=None, subgroup=None,
                                              start_localSGD_iter=3)
@@ -88,8 +95,9 @@ class Job:
                              os.path.join(ckpt, f"step{step}.zero.pt"))
         else:
             blob["optim"] = self.opt.state_dict()
-            blob["hook"] = (self.state.state_dict() if self.kind == "powersgd"
-                            else {"iter": self.state.iter})
+            if self.state is not None:
+                blob["hook"] = (self.state.state_dict() if self.kind == "powersgd"
+                                else {"iter": self.state.iter})
         _atomic_save(blob, os.path.join(ckpt, f"step{step}.rank{self.rank}.pt"))
 
     def load(self, ckpt: str, step: int) -> None:
@@ -102,7 +110,7 @@ class Job:
             self.opt.load_state_dict(blob["optim"])
             if self.kind == "powersgd":
                 self.state.load_state_dict(blob["hook"])
-            else:
+            elif self.kind == "localsgd":
                 self.state.iter = blob["hook"]["iter"]
 
     def step(self, step: int) -> None:
@@ -140,7 +148,7 @@ def newest_saved(ckpt: str, rank: int, kind: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--kind", required=True, choices=["powersgd", "zero", "localsgd"])
+    p.add_argument("--kind", required=True, choices=["powersgd", "zero", "localsgd", "diloco"])
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=12)

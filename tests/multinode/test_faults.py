@@ -5,7 +5,8 @@ the job's checkpoint and end bit for bit where the same job without a fault ends
 
 The job (fault_job.py) checkpoints after every step; what must survive the restart differs by
 case: ddpx's PowerSGD state (killed node), ddpx's ZeroRedundancyOptimizer state consolidated to
-rank 0 (cut link), post-local SGD's hook iteration and averager step (stalled node).
+rank 0 (cut link), post-local SGD's hook iteration and averager step (stalled node), DiLoCo's
+global parameters, residuals and fragment in flight (a node killed mid-round).
 """
 import os
 import re
@@ -32,7 +33,7 @@ def _final(out_dir) -> dict:
 # The restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the harness sets it on every node):
 # with torch's shared rendezvous store a restarted worker may read a dead peer's address.
 @pytest.mark.parametrize("fault,kind", [("kill", "powersgd"), ("link", "zero"),
-                                        ("stall", "localsgd")])
+                                        ("stall", "localsgd"), ("kill", "diloco")])
 def test_fault_is_reported_and_restart_resumes_bit_for_bit(tmp_path, fault, kind):
     base = [JOB, "--kind", kind, "--steps", str(STEPS), "--timeout", str(TIMEOUT)]
     # The reference: the same job on the same two machines without a fault (post-local SGD's
