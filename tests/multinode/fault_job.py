@@ -7,8 +7,9 @@ multi-node fault tests (test_faults.py); launched by torchrun, one rank per node
 --kind picks what must survive a restart: ddpx's PowerSGD hook (its error-feedback memories,
 Q factors and generator: state_dict()), ddpx's ZeroRedundancyOptimizer (its state consolidated
 to rank 0 and saved there), post-local SGD (the hook's iter, PostLocalSGDOptimizer's averager
-step), or DiLoCo (its global parameters, residuals and the fragment in flight, per rank). Each rank saves its checkpoint after every step; on start the ranks agree on the newest
-step that every rank has saved (an allreduce of MIN) and resume from it. The data of a step
+step), or DiLoCo (its global parameters, residuals and the fragment in flight, per rank). Each
+rank saves its checkpoint after every step; on start the ranks agree on the newest step that
+every rank has saved (an allreduce of MIN) and resume from it. The data of a step
 depends on the step and the rank only, so a run that restarts ends where an uninterrupted one
 does, bit for bit.
 
