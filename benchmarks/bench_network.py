@@ -38,7 +38,7 @@ RATES = ["500mbit", "1gbit", "2500mbit", "10gbit", "unlimited"]
 HOOKS = ["noop", "allreduce", "torch_fp16", "ddpx_fp16", "ddpx_fp16_dropin", "ddpx_bf16",
          "torch_powersgd4_1bucket", "ddpx_powersgd4", "ddpx_powersgd4_dropin", "ddpx_powersgd1",
          "ddpx_batched_powersgd4", "ddpx_q8", "ddpx_q4", "ddpx_q1", "torch_qchannel",
-         "torch_powersgd4"]
+         "torch_powersgd4", "diloco_h32_q4", "diloco_h32_q4_p4"]
 LABELS = {
     "noop": "noop (compute floor)",
     "allreduce": "DDP default allreduce",
@@ -56,6 +56,16 @@ LABELS = {
     "ddpx_q1": "ddpx quantized_hook 1 bit (native)",
     "torch_qchannel": "torch quantization_perchannel_hook",
     "torch_powersgd4": "torch powerSGD_hook r=4, DDP's buckets",
+    "diloco_h32_q4": "ddpx DiLoCo H=32, 4 bits (mean step over H)",
+    "diloco_h32_q4_p4": "ddpx Streaming DiLoCo H=32, 4 bits, 4 fragments, delay 2 (mean over H)",
+}
+# DiLoCo rows: no DDP (a plain replica per rank), ddpx.optim.DiLoCo over the SGD every row uses;
+# they time H steps (one synchronization of every fragment) instead of --steps, and report the
+# mean step (ms) beside the longest (ms_max): the exchange lands on a few steps of the H.
+DILOCO = {
+    "diloco_h32_q4": dict(sync_every=32, bits=4),
+    "diloco_h32_q4_p4": dict(sync_every=32, bits=4, fragments=4, fragment_sync_delay=2,
+                             fragment_update_alpha=0.5),
 }
 # Run alone, in a job of its own: it may take the job down.
 ALONE = {"torch_powersgd4", "torch_qchannel"}
@@ -174,9 +184,16 @@ def worker(args) -> int:
         model = build_model(args.model)
         n_params = sum(p.numel() for p in model.parameters())
         row: Dict[str, Any] = dict(hook=hook, params=n_params)
+        diloco = DILOCO.get(hook)
+        timed = diloco["sync_every"] if diloco else args.steps
         try:
-            ddp = register(hook, model)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+            if diloco:
+                import ddpx
+                ddp = model
+                opt = ddpx.optim.DiLoCo(torch.optim.SGD(model.parameters(), lr=1e-4), **diloco)
+            else:
+                ddp = register(hook, model)
+                opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
             def one_step():
                 opt.zero_grad(set_to_none=True)
@@ -187,13 +204,18 @@ def worker(args) -> int:
                 one_step()
             dist.barrier()
             times, t_sent = [], tx_bytes(ifname)
-            for _ in range(args.steps):
+            for _ in range(timed):
                 dist.barrier()
                 t0 = time.perf_counter()
                 one_step()
                 times.append((time.perf_counter() - t0) * 1e3)
-            sent = (tx_bytes(ifname) - t_sent) / args.steps
-            row.update(status="ok", ms=statistics.median(times), ms_all=times, sent=sent)
+            if diloco:  # what is still in flight belongs to the timed steps' bytes
+                opt.state_dict()
+                dist.barrier()
+                time.sleep(0.2)
+            sent = (tx_bytes(ifname) - t_sent) / timed
+            ms = statistics.mean(times) if diloco else statistics.median(times)
+            row.update(status="ok", ms=ms, ms_all=times, ms_max=max(times), sent=sent)
             ddp = opt = None  # frees them (one_step above reads them by name)
         except Exception as exc:  # noqa: BLE001 - a hook's failure is its row's result
             row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300])
@@ -206,7 +228,8 @@ def worker(args) -> int:
                 row["sent"] = sum(mean_sent) / world
             rows.append(row)
             print(f"bench_network: {hook}: {row.get('status')} "
-                  f"{row.get('ms', float('nan')):.1f} ms/step, "
+                  f"{row.get('ms', float('nan')):.1f} ms/step (longest "
+                  f"{row.get('ms_max', float('nan')):.1f}), "
                   f"{row.get('sent', float('nan')) / 1e6:.2f} MB/step", flush=True)
     if rank == 0:
         print("BENCH_RESULT " + json.dumps(rows), flush=True)
