@@ -198,6 +198,14 @@ def case_errors(rank, world_size):
         "bool_bits": catch(lambda: make(bits=True)),
         "add_param_group": catch(lambda: make().add_param_group({"params": []})),
     }
+    # an LR scheduler drives the inner optimizer through the DiLoCo object
+    sched_opt = make(sync_every=4)
+    sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
+    inner_step(model, sched_opt, rank, 0)
+    sched_opt.step()
+    sched.step()
+    out["lr_after"] = (sched_opt.param_groups[0]["lr"],
+                       sched_opt.inner_optimizer.param_groups[0]["lr"])
     # ranks that disagree on the schedule: every rank fails naming the option
     opt = make(sync_every=2 + rank)
     errs = None
@@ -354,6 +362,7 @@ def test_bad_arguments():
                               ("bool_bits", ("TypeError", "bits")),
                               ("add_param_group", ("NotImplementedError", "fixed"))):
         assert r[key] is not None and r[key][0] == kind and text in r[key][1], (key, r[key])
+    assert r["lr_after"] == (0.05, 0.05), r["lr_after"]
     for rank, r in enumerate(res):
         assert r["disagree"] is not None, rank
         assert r["disagree"][0] == "ValueError" and "sync_every" in r["disagree"][1], r["disagree"]
