@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "hooks/agreement.h"
@@ -200,19 +201,10 @@ void DiLoCoSync::start_exchange(Fragment& f) {
   if (!agreed_) {
     // Ranks built with other schedules would exchange different fragments at different steps:
     // one all-gather before the first exchange names the option instead.
-    hooks::detail::check_agreement(pg_,
-                                   hooks::detail::Fingerprint(kWho)
-                                       .add("sync_every", options_.sync_every)
-                                       .add("fragments", options_.fragments)
-                                       .add("fragment_sync_delay", options_.fragment_sync_delay)
-                                       .add("fragment_update_alpha", options_.fragment_update_alpha)
-                                       .add("bits", options_.bits)
-                                       .add("block_size", options_.block_size)
-                                       .add("use_error_feedback", options_.use_error_feedback)
-                                       .add("bucket_cap_bytes", options_.bucket_cap_bytes)
-                                       .add("parameters", static_cast<int64_t>(params_.size()))
-                                       .add("step", step_),
-                                   f.delta.device());
+    hooks::detail::Fingerprint fingerprint(kWho);
+    options_.for_each_field([&](const char* name, auto value) { fingerprint.add(name, value); });
+    fingerprint.add("parameters", static_cast<int64_t>(params_.size())).add("step", step_);
+    hooks::detail::check_agreement(pg_, fingerprint, f.delta.device());
     agreed_ = true;
   }
   {
@@ -357,13 +349,7 @@ c10::impl::GenericDict DiLoCoSync::state_dict() {
   TORCH_CHECK(open_ < 0, kWho, ": state_dict between begin_outer and end_outer");
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
   d.insert("format", std::string(kFormat));
-  d.insert("sync_every", options_.sync_every);
-  d.insert("fragments", options_.fragments);
-  d.insert("fragment_sync_delay", options_.fragment_sync_delay);
-  d.insert("fragment_update_alpha", options_.fragment_update_alpha);
-  d.insert("bits", options_.bits);
-  d.insert("block_size", options_.block_size);
-  d.insert("use_error_feedback", options_.use_error_feedback);
+  options_.for_each_field([&](const char* name, auto value) { d.insert(name, value); });
   d.insert("step", step_);
   d.insert("rank", static_cast<int64_t>(pg_->getRank()));
   d.insert("world_size", static_cast<int64_t>(pg_->getSize()));
@@ -395,23 +381,19 @@ void DiLoCoSync::load_state_dict(const c10::impl::GenericDict& d, bool allow_res
   const hooks::detail::CheckpointReader in(d, "DiLoCo.load_state_dict");
   TORCH_CHECK_VALUE(in.get_string("format") == kFormat,
                     "DiLoCo.load_state_dict: not a ddpx DiLoCo state");
-  const auto same = [&](const char* key, int64_t mine) {
-    const int64_t saved = in.get_int(key);
+  options_.for_each_field([&](const char* key, auto mine) {
+    using T = decltype(mine);
+    T saved;
+    if constexpr (std::is_same_v<T, bool>) {
+      saved = in.get_bool(key);
+    } else if constexpr (std::is_same_v<T, double>) {
+      saved = in.get_double(key);
+    } else {
+      saved = in.get_int(key);
+    }
     TORCH_CHECK_VALUE(saved == mine, "DiLoCo.load_state_dict: the state was saved with ", key, "=",
                       saved, ", this DiLoCo has ", key, "=", mine);
-  };
-  same("sync_every", options_.sync_every);
-  same("fragments", options_.fragments);
-  same("fragment_sync_delay", options_.fragment_sync_delay);
-  same("bits", options_.bits);
-  same("block_size", options_.block_size);
-  TORCH_CHECK_VALUE(in.get_double("fragment_update_alpha") == options_.fragment_update_alpha,
-                    "DiLoCo.load_state_dict: the state was saved with fragment_update_alpha=",
-                    in.get_double("fragment_update_alpha"), ", this DiLoCo has ",
-                    options_.fragment_update_alpha);
-  TORCH_CHECK_VALUE(in.get_bool("use_error_feedback") == options_.use_error_feedback,
-                    "DiLoCo.load_state_dict: the state was saved with use_error_feedback=",
-                    in.get_bool("use_error_feedback"));
+  });
   const int64_t step = in.get_int("step");
   TORCH_CHECK_VALUE(step >= 0, "DiLoCo.load_state_dict: step must be >= 0, got ", step);
   auto global = in.get_tensors<int64_t>("global");

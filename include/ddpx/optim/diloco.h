@@ -60,6 +60,16 @@ struct DiLoCoOptions {
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   // c10::ValueError naming the first option out of range.
   void validate() const;
+  // f(name, value) for every option (int64_t, double or bool), in declaration order: what the
+  // ranks compare, what a checkpoint records and what a load must match.
+  template <typename F>
+  void for_each_field(F&& f) const {
+    f("sync_every", sync_every), f("fragments", fragments);
+    f("fragment_sync_delay", fragment_sync_delay);
+    f("fragment_update_alpha", fragment_update_alpha), f("bits", bits);
+    f("block_size", block_size), f("use_error_feedback", use_error_feedback);
+    f("bucket_cap_bytes", bucket_cap_bytes);
+  }
 };
 
 class DiLoCoSync {
