@@ -170,10 +170,13 @@ class DiLoCo {
   void load(torch::serialize::InputArchive& archive, bool allow_reshard = false);
   static constexpr const char* kStateKey = "ddpx_diloco";
 
+  // The inner optimizer (the constructor's), and the synchronization it drives.
   torch::optim::Optimizer& inner() { return *inner_; }
   DiLoCoSync& sync() { return *sync_; }
+  // The outer SGD's hyper-parameters, read at every outer step (validated when set).
   const SGDOptions& outer_options() const { return outer_; }
   void set_outer_options(const SGDOptions& outer);
+  // The outer SGD's momentum buffers, one per parameter (undefined before its first step).
   std::vector<at::Tensor>& momentum_buffers() { return momentum_; }
 
  private:

@@ -115,6 +115,7 @@ class DiLoCo(torch.optim.Optimizer):
 
     @property
     def defaults(self):  # type: ignore[override]
+        """The inner optimizer's ``defaults``, the same object."""
         return self.inner_optimizer.defaults
 
     def __repr__(self) -> str:
