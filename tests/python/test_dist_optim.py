@@ -310,30 +310,25 @@ def test_concurrent_trainers_lose_no_update():
 
 
 # ---- no GIL on the owner ---------------------------------------------------------------------
-def _busy(stop):
-    x = 0
-    while not stop.is_set():
-        x += 1  # pure Python: holds the GIL for the whole switch interval
+def _hold_gil(n):
+    """Holds this process's GIL for one C call: builtin sum over a range runs in C without the
+    interpreter's eval loop, so no other thread runs Python until it returns, whatever the switch
+    interval. (A busy Python loop in a thread instead holds the GIL only until a waiting thread's
+    drop request, and a request that arrives while another thread hands the GIL over can take it
+    at once: the fallback's step then did not wait, on Python 3.13 in 3 of 4 steps.)"""
+    sum(range(n))
 
 
-def _start_busy_thread(interval_s):
-    sys.setswitchinterval(interval_s)
-    stop = threading.Event()
-    _BUSY["stop"] = stop
-    threading.Thread(target=_busy, args=(stop,), daemon=True).start()
-
-
-def _stop_busy_thread():
-    _BUSY["stop"].set()
-    sys.setswitchinterval(0.005)
-
-
-_BUSY = {}
+def _calibrated_hold(seconds):
+    """The range length whose sum takes about `seconds` here."""
+    n, t0 = 1_000_000, time.perf_counter()
+    _hold_gil(n)
+    return max(n, int(n * seconds / max(time.perf_counter() - t0, 1e-6)))
 
 
 def _gil_rank(rank, world_size, init_file):
-    """Worker 1 owns a weight and runs a Python thread that holds its GIL 0.25 s at a time;
-    worker 0 times steps through the C++ path and through the Python fallback."""
+    """Worker 1 owns a weight; before each timed step, worker 0 has it hold its GIL for ~0.5 s
+    (one C call) and times steps through the C++ path and through the Python fallback."""
     _init_rpc(rank, world_size, init_file)
     timings = None
     if rank == 0:
@@ -344,24 +339,26 @@ def _gil_rank(rank, world_size, init_file):
             warnings.simplefilter("ignore")
             fallback = DistributedOptimizer(torch.optim.ASGD, [w], lr=0.001)
         assert native.is_native and not fallback.is_native
-        # Warm both paths up (first RPCs) before the busy thread.
+        # Warm both paths up (first RPCs) before timing.
         _const_grad_step(native, "gil", "worker1")
         _const_grad_step(fallback, "gil", "worker1")
-        rpc.rpc_sync("worker1", _start_busy_thread, args=(0.25,))
+        n = rpc.rpc_sync("worker1", _calibrated_hold, args=(0.5,))
         timings = {}
         for name, opt in (("native", native), ("fallback", fallback)):
             times = []
             for _ in range(4):
                 with dist_autograd.context() as cid:
                     # The forward is an RPC of its own (Python on the owner): only the step is
-                    # timed.
+                    # timed, started once the owner's GIL is surely held.
                     out = rpc.rpc_sync("worker1", _forward, args=("gil", torch.eye(3)))
                     dist_autograd.backward(cid, [out.sum()])
+                    hold = rpc.rpc_async("worker1", _hold_gil, args=(n,))
+                    time.sleep(0.05)
                     t0 = time.perf_counter()
                     opt.step(cid)
                     times.append(time.perf_counter() - t0)
+                    hold.wait()
             timings[name] = times
-        rpc.rpc_sync("worker1", _stop_busy_thread)
     rpc.shutdown()
     return timings
 
@@ -372,9 +369,9 @@ def test_native_step_does_not_wait_for_the_owners_gil():
     print({k: [round(t, 4) for t in v] for k, v in timings.items()})
     native = sorted(timings["native"])[len(timings["native"]) // 2]
     fallback = sorted(timings["fallback"])[len(timings["fallback"]) // 2]
-    # The fallback must wait for the owner's GIL (this is what makes the test able to fail);
-    # the C++ path must not.
-    assert fallback > 0.1, timings
+    # The fallback must wait for the owner's GIL (this is what makes the test able to fail):
+    # about the 0.45 s left of the hold; the C++ path must not.
+    assert fallback > 0.2, timings
     assert native < 0.05, timings
 
 
