@@ -59,9 +59,20 @@ LABELS = {
     "diloco_h32_q4": "ddpx DiLoCo H=32, 4 bits (mean step over H)",
     "diloco_h32_q4_p4": "ddpx Streaming DiLoCo H=32, 4 bits, 4 fragments, delay 2 (mean over H)",
 }
+def _gbit(rate: str) -> float:
+    """A tc rate ("100mbit", "1gbit", "2500mbit") in Gbit/s; "unlimited" drawn at 40."""
+    if rate == "unlimited":
+        return 40.0
+    for unit, scale in (("gbit", 1.0), ("mbit", 1e-3), ("kbit", 1e-6)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"bench_network: a rate like 100mbit or 1gbit, got {rate!r}")
+
+
 # DiLoCo rows: no DDP (a plain replica per rank), ddpx.optim.DiLoCo over the SGD every row uses;
-# they time H steps (one synchronization of every fragment) instead of --steps, and report the
-# mean step (ms) beside the longest (ms_max): the exchange lands on a few steps of the H.
+# they warm up over H steps (a first synchronization: the ranks' agreement, the codec's layouts and
+# residuals), then time H steps (one synchronization of every fragment) instead of --steps, and
+# report the mean step (ms) beside the longest (ms_max): the exchange lands on a few of the H.
 DILOCO = {
     "diloco_h32_q4": dict(sync_every=32, bits=4),
     "diloco_h32_q4_p4": dict(sync_every=32, bits=4, fragments=4, fragment_sync_delay=2,
@@ -200,7 +211,7 @@ def worker(args) -> int:
                 loss_of(args.model, ddp(x), y).backward()
                 opt.step()
 
-            for _ in range(args.warmup):
+            for _ in range(diloco["sync_every"] if diloco else args.warmup):
                 one_step()
             dist.barrier()
             times, t_sent = [], tx_bytes(ifname)
@@ -332,7 +343,7 @@ def plot(cells: List[Dict[str, Any]], path: str) -> None:
                              squeeze=False)
     for ax in axes.flat[len(keys):]:
         ax.set_visible(False)
-    speed = {"500mbit": 0.5, "1gbit": 1.0, "2500mbit": 2.5, "10gbit": 10.0, "unlimited": 40.0}
+    speed = {c["rate"]: _gbit(c["rate"]) for c in cells}
     handles: Dict[str, Any] = {}
     for ax, (model, nodes) in zip(axes.flat, keys):
         group = [c for c in cells if c["model"] == model and c["nodes"] == nodes]
