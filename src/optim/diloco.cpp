@@ -232,7 +232,6 @@ void DiLoCoSync::start_exchange(Fragment& f) {
   if (f.quantized) {
     message_bytes_ += static_cast<int64_t>(std::get<2>(f.quantized->compression_stats()) - before);
   }
-  synced_values_ += f.delta.numel();
   f.due = step_ + options_.fragment_sync_delay;
 }
 
@@ -282,15 +281,16 @@ void DiLoCoSync::begin_outer(int64_t fragment) {
     open_grads_.push_back(p.grad());
     p.mutable_grad() = at::Tensor();
   }
+  const bool mixes = options_.fragment_update_alpha != 0.0;
   for (int64_t i = f.first, off = 0; i < f.last; ++i) {
     at::Tensor& p = params_[static_cast<size_t>(i)];
-    open_local_.push_back(p.detach().clone());
+    // The local values are needed only to mix them back in (end_outer).
+    if (mixes) open_local_.push_back(p.detach().clone());
     p.detach().copy_(global_[static_cast<size_t>(i)]);
-    p.mutable_grad() = f.delta.narrow(0, off, p.numel())
-                           .view(p.sizes())
-                           .to(p.scalar_type(),
-                               /*non_blocking=*/false,
-                               /*copy=*/true);
+    // The averaged outer gradient itself where the dtypes agree: the buffer is not read again
+    // before the fragment's next exchange overwrites it.
+    const at::Tensor d = f.delta.narrow(0, off, p.numel()).view(p.sizes());
+    p.mutable_grad() = d.scalar_type() == p.scalar_type() ? d : d.to(p.scalar_type());
     off += p.numel();
   }
   open_ = fragment;

@@ -42,32 +42,23 @@ void bind_diloco(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def(
           "outer_sgd_step",
-          [](DiLoCoSync& s, int64_t fragment, double lr, double momentum, double dampening,
-             double weight_decay, bool nesterov, bool maximize, const py::object& buffers) {
-            optim::SGDOptions o;
-            o.lr = lr;
-            o.momentum = momentum;
-            o.dampening = dampening;
-            o.weight_decay = weight_decay;
-            o.nesterov = nesterov;
-            o.maximize = maximize;
+          [](DiLoCoSync& s, int64_t fragment, const optim::SGDOptions& options,
+             const py::object& buffers) {
             std::vector<at::Tensor> bufs = tensor_list(buffers, "momentum_buffers");
             {
               py::gil_scoped_release no_gil;
-              s.outer_sgd_step(fragment, o, bufs);
+              s.outer_sgd_step(fragment, options, bufs);
             }
             return to_py(bufs);
           },
-          py::arg("fragment"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
-          py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"),
-          py::arg("momentum_buffers"),
-          "The fragment's outer step with SGD in C++; returns the momentum buffers.")
+          py::arg("fragment"), py::arg("options"), py::arg("momentum_buffers"),
+          "The fragment's outer step with SGD (an SGDOptions) in C++; returns the momentum "
+          "buffers.")
       .def_property_readonly("step", &DiLoCoSync::step)
       .def_property_readonly("fragment_ranges", &DiLoCoSync::fragment_ranges)
       .def("first_sync_step", &DiLoCoSync::first_sync_step, py::arg("fragment"))
       .def_property_readonly("pending", &DiLoCoSync::pending)
       .def_property_readonly("message_bytes", &DiLoCoSync::message_bytes)
-      .def_property_readonly("synced_values", &DiLoCoSync::synced_values)
       .def_property_readonly("global_params",
                              [](const DiLoCoSync& s) { return to_py(s.global_params()); })
       .def(

@@ -223,14 +223,19 @@ def _record(r, key):
     return rec
 
 
-def _pad_cumsum(res, option):
-    """lr * sum_{k<=t} S_k, S_k the largest |local gradient| any rank's hook saw at step k."""
+def _step_scale(res, option):
+    """S_t, the largest |local gradient| any rank's hook saw at step t."""
     per_rank = [_record(r, (option, ac.PROBE))["max_local_grad"] for r in res]
     n = max(len(s) for s in per_rank)
     s = torch.zeros(n, dtype=torch.float64)
     for x in per_rank:
         s[:len(x)] = torch.maximum(s[:len(x)], x)
-    return ac.LR * torch.cumsum(s, 0)
+    return s
+
+
+def _pad_cumsum(res, option):
+    """lr * sum_{k<=t} S_k (_step_scale)."""
+    return ac.LR * torch.cumsum(_step_scale(res, option), 0)
 
 
 def _sixteen_bound(res, option, hook, params, ref):
@@ -441,12 +446,8 @@ LOW_BITS_MAX_DRIFT = 1.25
 
 
 def _running_scale(res, option):
-    """S_t (the largest |local gradient| any rank's hook saw at step t), and its running max."""
-    per_rank = [_record(r, (option, ac.PROBE))["max_local_grad"] for r in res]
-    n = max(len(s) for s in per_rank)
-    s = torch.zeros(n, dtype=torch.float64)
-    for x in per_rank:
-        s[:len(x)] = torch.maximum(s[:len(x)], x)
+    """S_t (_step_scale) and its running max."""
+    s = _step_scale(res, option)
     return s, torch.cummax(s, 0).values
 
 

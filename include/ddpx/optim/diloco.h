@@ -117,8 +117,6 @@ class DiLoCoSync {
   // or 2 (bf16), quantized the blocks' codes and scales. (What crosses the wire per message:
   // its size on 2 ranks, 2 (W - 1) / W of it reduce-scatter style.)
   int64_t message_bytes() const { return message_bytes_; }
-  // Outer gradient values exchanged so far (each fragment's parameters' values per sync).
-  int64_t synced_values() const { return synced_values_; }
 
   // {"format", the options, "step", "rank", "world_size", "global": {parameter index: tensor},
   // "pending": {fragment: {"due", "outer_gradient"}} (their exchanges waited for first: an
@@ -141,7 +139,7 @@ class DiLoCoSync {
   std::vector<at::Tensor> global_;
   std::vector<std::unique_ptr<Fragment>> fragments_;
   int64_t step_ = 0;
-  int64_t message_bytes_ = 0, synced_values_ = 0;
+  int64_t message_bytes_ = 0;
   bool agreed_ = false;
   // The fragment between begin_outer and end_outer: its local values and every gradient.
   int64_t open_ = -1;

@@ -176,10 +176,11 @@ class DiLoCo(torch.optim.Optimizer):
             state = self.outer_optimizer.state
             buffers = [state[p].get("momentum_buffer") if p in state else None
                        for p in self._params]
-            buffers = self._sync.outer_sgd_step(
-                fragment, float(g["lr"]), float(g["momentum"]), float(g["dampening"]),
-                float(g["weight_decay"]), bool(g["nesterov"]), bool(g.get("maximize", False)),
-                buffers)
+            options = _C.SGDOptions(
+                lr=float(g["lr"]), momentum=float(g["momentum"]),
+                dampening=float(g["dampening"]), weight_decay=float(g["weight_decay"]),
+                nesterov=bool(g["nesterov"]), maximize=bool(g.get("maximize", False)))
+            buffers = self._sync.outer_sgd_step(fragment, options, buffers)
             for p, b in zip(self._params[lo:hi], buffers[lo:hi]):
                 if b is not None:
                     state[p]["momentum_buffer"] = b
